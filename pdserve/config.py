@@ -1,0 +1,296 @@
+"""Frozen configuration dataclasses, one per concern (DESIGN §1, STYLE 3).
+
+Entry points take a config; small structures take plain numbers. Every config validates itself in
+``__post_init__`` and raises :class:`ConfigError` (a ``ValueError``) with one line naming the field.
+``ModelConfig.from_hf`` converts a Hugging Face ``config.json`` once; nothing below reads HF dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, out of range or unsupported (one line, names the field)."""
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (float32|bfloat16|float16). Raises ConfigError."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ConfigError(
+            f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPE_BYTES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` 'default' or 'llama3' (Llama 3.1 paper / HF config)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"rope_scaling.rope_type {self.rope_type!r} is not supported")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer (Llama family / Qwen2).
+
+    ``architecture`` is the HF class name (e.g. ``LlamaForCausalLM``); the model registry maps it to
+    an implementation. ``model_id`` names the weights for the KV layout handshake.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_id: str = "unknown"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"model config {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token per dtype byte: 2 * layers * kv_heads * head_dim (multiply by elem size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], model_id: str = "unknown") -> ModelConfig:
+        """Build from a parsed HF ``config.json``. Raises ConfigError naming a missing key."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope = cfg.get("rope_scaling") or None
+            scaling = None
+            if rope:
+                rtype = rope.get("rope_type", rope.get("type", "default"))
+                scaling = RopeScaling(
+                    rope_type=rtype,
+                    factor=float(rope.get("factor", 1.0)),
+                    low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        rope.get("original_max_position_embeddings", 8192)
+                    ),
+                )
+            eos = cfg.get("eos_token_id")
+            eos_ids: tuple[int, ...] = (
+                () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+            )
+            arch = str(archs[0])
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(
+                    cfg.get("attention_bias", arch.startswith("Qwen2"))
+                ),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                model_id=model_id,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing required key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read a ``config.json`` file (or a directory holding one). Raises ConfigError."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"model config not found: {p}")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(cfg, model_id=p.parent.name or "unknown")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the weights come from.
+
+    ``model``: 'smollm2' (bundled GGUF), a HF directory, or a ``.gguf`` file.
+    ``load_format``: 'auto' | 'safetensors' | 'gguf' | 'dummy' (random weights; needs a config).
+    ``dtype``: 'auto' (float32 on CPU, bfloat16 on CUDA, DESIGN §2) | float32 | bfloat16 | float16.
+    """
+
+    model: str = "smollm2"
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ConfigError(
+                f"--load-format {self.load_format!r} is not one of auto|safetensors|gguf|dummy"
+            )
+        if self.dtype != "auto":
+            dtype_bytes(self.dtype)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name after applying the per-device default."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. ``num_blocks`` 0 = derive from ``kv_cache_memory_bytes``."""
+
+    block_size: int = 16  # tokens per block
+    num_blocks: int = 0
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks == 0 and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError("kv_cache_memory_bytes must be > 0 when num_blocks is 0")
+
+    def blocks_for(self, model: ModelConfig, dtype: str) -> int:
+        """Number of blocks: ``num_blocks`` if set, else memory / bytes per block (seed formula)."""
+        if self.num_blocks:
+            return self.num_blocks
+        per_block = model.kv_bytes_per_token * dtype_bytes(dtype) * self.block_size
+        return max(1, self.kv_cache_memory_bytes // per_block)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step batch limits (vLLM names).
+
+    ``max_num_batched_tokens``: tokens computed in one forward (prefill chunks + decodes).
+    ``max_num_seqs``: sequences in one step. ``max_model_len``: prompt + output tokens per request.
+    ``long_prefill_token_threshold``: prompts longer than this are chunked so they never take more
+    than this many tokens of a step while shorter prompts wait (0 = max_num_batched_tokens // 2).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "--max-num-batched-tokens must be >= --max-model-len when chunked prefill is off"
+            )
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """KV transfer channel settings (DESIGN §5)."""
+
+    backend: str = "torch_dist"  # torch_dist | loopback
+    timeout_s: float = 30.0  # per send/recv
+    checksum: bool = False
+    host: str = "127.0.0.1"  # address the decode worker's TCPStore binds / advertises
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch_dist", "loopback"):
+            raise ConfigError(f"transfer backend {self.backend!r} is not torch_dist|loopback")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"transfer timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one worker engine (prefill or decode) needs."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`pdserve serve`: the whole system on one machine (DESIGN §8)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mode: str = "disaggregated"  # disaggregated | unified
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051
+    ray_address: str | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262144
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "unified"):
+            raise ConfigError(f"--mode {self.mode!r} is not disaggregated|unified")
+        if self.num_decode_workers < 1:
+            raise ConfigError("--num-decode-workers must be >= 1")
+        if self.num_prefill_workers < 0:
+            raise ConfigError("--num-prefill-workers must be >= 0")

@@ -1,0 +1,49 @@
+"""The contract between a scheduler (no torch) and the ModelRunner (tensors).
+
+A scheduler decides, each step, which sequences compute which tokens; the runner turns that into
+one forward pass over a mixed batch of prefill chunks and single-token decodes, writes the new KV
+into the paged pool by slot mapping, and samples where asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``token_ids``: the tokens to compute now (a prefill chunk, or one decode token), occupying
+    positions ``[num_computed, num_computed + len(token_ids))``. ``num_computed``: tokens whose KV
+    is already in the pool (earlier chunks, prefix-cache hits, or earlier decode steps).
+    ``block_table``: physical block ids covering at least ``num_computed + len(token_ids)`` tokens.
+    ``sample``: sample a token after the last one (False for a non-final prefill chunk).
+    ``output_token_ids``: tokens generated so far (for penalties and the seeded generator's
+    position); ``prompt_token_ids``: the prompt (for repetition penalty).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens_after(self) -> int:
+        """Sequence length once this step's tokens are in the KV cache."""
+        return self.num_computed + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A sampled token and, when requested, log-probabilities (natural log)."""
+
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
