@@ -1,0 +1,65 @@
+"""`pdserve` command line: one subcommand per module in ``pdserve/commands/``.
+
+Each module defines ``register(subparsers) -> None`` which adds its parser and sets
+``func=run`` via ``set_defaults``. Modules are imported lazily so ``pdserve plan`` does not import
+torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pdserve.commands.serve", "run the whole system: Ray workers + HTTP and gRPC gateways"),
+    "router": ("pdserve.commands.router", "run a router against an existing Ray cluster"),
+    "generate": ("pdserve.commands.generate", "offline batched generation on one process"),
+    "bench": ("pdserve.commands.bench", "benchmark an OpenAI-compatible server"),
+    "plan": ("pdserve.commands.plan", "KV cache capacity planner"),
+    "convert": ("pdserve.commands.convert", "write the weights as a Hugging Face directory"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        if name == wanted:
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name != module:
+                    raise
+                p = sub.add_parser(name, help=help_text)
+                p.set_defaults(func=lambda _a, n=name: _not_yet(n))
+                continue
+            mod.register(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _not_yet(name: str) -> int:
+    print(f"pdserve {name}: not yet available in this build", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
