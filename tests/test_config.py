@@ -1,0 +1,65 @@
+"""Config dataclasses validate themselves and convert HF config.json once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import CacheConfig, ConfigError, LoadConfig, ModelConfig, SchedulerConfig
+
+QWEN_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 151645,
+}  # fmt: skip
+
+
+def test_from_hf_qwen(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    cfg = ModelConfig.from_hf(tmp_path)
+    assert cfg.head_dim == 128 and cfg.num_key_value_heads == 4 and cfg.attention_bias
+    assert cfg.eos_token_ids == (151645,)
+    assert cfg.kv_bytes_per_token * 2 == 2 * 28 * 4 * 128 * 2
+
+
+def test_llama3_rope_scaling() -> None:
+    d = dict(QWEN_7B, architectures=["LlamaForCausalLM"], rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})  # fmt: skip
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+    assert not cfg.attention_bias
+
+
+def test_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        ModelConfig.from_hf_dict({k: v for k, v in QWEN_7B.items() if k != "num_hidden_layers"})
+    with pytest.raises(ConfigError, match="architectures"):
+        ModelConfig.from_hf_dict({"vocab_size": 3})
+    with pytest.raises(ConfigError, match="not found"):
+        ModelConfig.from_hf(tmp_path / "nope.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(tmp_path)
+    with pytest.raises(ConfigError, match="block-size"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ConfigError, match="max-num-seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        LoadConfig(dtype="int3")
+
+
+def test_dtype_default_per_device() -> None:
+    assert LoadConfig().resolved_dtype == "float32"
+    assert LoadConfig(device="cuda").resolved_dtype == "bfloat16"
+    assert LoadConfig(dtype="bfloat16").resolved_dtype == "bfloat16"
+
+
+def test_blocks_for_memory() -> None:
+    cfg = ModelConfig.from_hf_dict(QWEN_7B)
+    cache = CacheConfig(kv_cache_memory_bytes=2**30)
+    per_block = 2 * 28 * 4 * 128 * 2 * 16
+    assert cache.blocks_for(cfg, "bfloat16") == 2**30 // per_block
