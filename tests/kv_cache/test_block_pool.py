@@ -1,0 +1,164 @@
+"""BlockPool: exact block ids on tiny pools, chained hashes, LRU eviction, double-free errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.kv_cache.block_pool import (
+    BlockPool,
+    NoFreeBlocksError,
+    hash_block_tokens,
+    prefix_block_hashes,
+)
+
+
+def test_hash_is_chained_and_deterministic_across_processes() -> None:
+    a = hash_block_tokens(None, [1, 2, 3, 4])
+    assert a == hash_block_tokens(None, [1, 2, 3, 4])
+    assert a != hash_block_tokens(None, [1, 2, 3, 5])
+    # Same tokens, different parent: different prefix, different hash.
+    b = hash_block_tokens(a, [1, 2, 3, 4])
+    assert b != a and b != hash_block_tokens(7, [1, 2, 3, 4])
+    assert 0 <= a < 2**64
+    code = (
+        "from pdserve.kv_cache.block_pool import prefix_block_hashes as p;"
+        "print(p(list(range(40)), 16))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == str(prefix_block_hashes(list(range(40)), 16))
+
+
+def test_prefix_block_hashes_full_blocks_only() -> None:
+    toks = list(range(40))
+    hs = prefix_block_hashes(toks, 16)
+    assert len(hs) == 2
+    assert hs[0] == hash_block_tokens(None, toks[:16])
+    assert hs[1] == hash_block_tokens(hs[0], toks[16:32])
+    assert prefix_block_hashes(toks[:15], 16) == []
+    # A prompt sharing only the first block shares only the first hash.
+    other = toks[:16] + [99] * 16
+    assert prefix_block_hashes(other, 16)[0] == hs[0]
+    assert prefix_block_hashes(other, 16)[1] != hs[1]
+    with pytest.raises(ValueError, match="block_size"):
+        prefix_block_hashes(toks, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        hash_block_tokens(None, [1, -2])
+
+
+def test_allocate_exact_ids_and_all_or_nothing() -> None:
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(1) == [2]
+    with pytest.raises(NoFreeBlocksError, match="need 2 KV blocks but only 1 of 4"):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1  # nothing taken by the failed call
+    pool.free([1])
+    assert pool.allocate(2) == [3, 1]  # free queue is FIFO
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="negative"):
+        pool.allocate(-1)
+
+
+def test_double_free_raises_and_changes_nothing() -> None:
+    pool = BlockPool(3)
+    ids = pool.allocate(2)
+    pool.free([ids[0]])
+    with pytest.raises(ValueError, match="double free of block 0"):
+        pool.free([ids[1], ids[0]])
+    assert pool.ref_count(ids[1]) == 1  # the valid half was not applied
+    pool.touch([ids[1]])
+    with pytest.raises(ValueError, match="double free of block 1"):
+        pool.free([ids[1], ids[1], ids[1]])
+    pool.free([ids[1], ids[1]])
+    pool.check_integrity()
+    assert pool.num_free_blocks == 3
+    with pytest.raises(IndexError, match="out of range"):
+        pool.free([3])
+
+
+def test_cached_block_lookup_touch_and_revival() -> None:
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.cache_block(b, 111)
+    assert pool.lookup(111) == b and pool.block_hash(b) == 111
+    pool.free([b])
+    assert pool.num_cached_blocks == 1 and pool.num_free_blocks == 3
+    assert pool.lookup(111) == b  # still findable while evictable
+    pool.touch([b])  # cache hit revives it
+    assert pool.ref_count(b) == 1 and pool.num_cached_blocks == 0
+    pool.touch([b])
+    assert pool.ref_count(b) == 2
+    pool.free([b, b])
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="free uncached block 1"):
+        pool.touch([1])
+
+
+def test_cache_block_rules() -> None:
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, 5)
+    pool.cache_block(a, 5)  # idempotent
+    with pytest.raises(ValueError, match="different prefix"):
+        pool.cache_block(a, 6)
+    pool.cache_block(b, 5)  # duplicate content: the first copy stays the cached one
+    assert pool.lookup(5) == a and pool.block_hash(b) is None
+    with pytest.raises(ValueError, match="unreferenced"):
+        pool.cache_block(2, 9)
+    pool.free([a, b])
+    assert pool.eviction_order() == [a]
+    pool.check_integrity()
+
+    off = BlockPool(2, enable_caching=False)
+    (c,) = off.allocate(1)
+    off.cache_block(c, 5)
+    assert off.lookup(5) is None
+    off.free([c])
+    assert off.num_cached_blocks == 0
+
+
+def test_eviction_prefers_free_blocks_then_lru_order() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(3)  # [0, 1, 2]
+    for i, b in enumerate(ids):
+        pool.cache_block(b, 100 + i)
+    pool.free([2])
+    pool.free([0])
+    pool.free([1])
+    assert pool.eviction_order() == [2, 0, 1]
+    # Block 3 is free and uncached: it goes first, no eviction.
+    assert pool.allocate(1) == [3]
+    assert pool.lookup(102) == 2
+    # Then least recently freed first: 2, then 0.
+    assert pool.allocate(2) == [2, 0]
+    assert pool.lookup(102) is None and pool.lookup(100) is None and pool.lookup(101) == 1
+    # A revived block is no longer evictable; touching 1 leaves nothing to evict.
+    pool.touch([1])
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, 1)
+    pool.free([a, b])
+    assert pool.reset_prefix_cache() == 1
+    assert pool.lookup(1) is None and pool.num_cached_blocks == 0
+    pool.check_integrity()
+
+
+def test_check_integrity_detects_wrong_holder_count() -> None:
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.check_integrity(expected_refs={a: 1})
+    with pytest.raises(AssertionError, match="ref count 1 but 2 holders"):
+        pool.check_integrity(expected_refs={a: 2})
+    with pytest.raises(AssertionError, match="ref count 0 but 1 holders"):
+        pool.check_integrity(expected_refs={a: 1, 1: 1})

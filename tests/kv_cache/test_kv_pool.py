@@ -1,0 +1,63 @@
+"""KVPool: layout, gather/scatter round trips on non-contiguous block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kv_cache.pool import KVPool
+
+L, NB, BS, H, D = 2, 8, 16, 3, 4
+
+
+def _pool(dtype: torch.dtype = torch.float32) -> KVPool:
+    return KVPool(L, NB, BS, H, D, dtype)
+
+
+def test_layout_and_bytes() -> None:
+    pool = _pool(torch.bfloat16)
+    assert pool.kv.shape == (L, 2, NB, BS, H, D)
+    k, v = pool.layer(1)
+    assert k.shape == v.shape == (NB, BS, H, D)
+    assert k.data_ptr() == pool.kv[1, 0].data_ptr()  # views, not copies
+    assert pool.bytes_per_token() == 2 * L * H * D * 2
+    with pytest.raises(ValueError, match="num_blocks must be > 0"):
+        KVPool(L, 0, BS, H, D, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17, 40])
+def test_scatter_gather_round_trip(num_tokens: int) -> None:
+    pool = _pool()
+    blocks = [5, 2, 7]  # non-contiguous, out of order
+    pool.kv.fill_(-1.0)
+    kv = torch.randn(L, 2, num_tokens, H, D)
+    pool.scatter(blocks, kv)
+    out = pool.gather(blocks, num_tokens)
+    assert out.shape == (L, 2, num_tokens, H, D) and out.is_contiguous()
+    torch.testing.assert_close(out, kv, rtol=0, atol=0)
+    # Token t sits in block blocks[t // BS] at offset t % BS; nothing else was written.
+    for t in (0, num_tokens - 1):
+        torch.testing.assert_close(pool.kv[:, :, blocks[t // BS], t % BS], kv[:, :, t])
+    touched = torch.zeros(NB, BS, dtype=torch.bool)
+    for t in range(num_tokens):
+        touched[blocks[t // BS], t % BS] = True
+    assert bool((pool.kv[:, :, ~touched] == -1.0).all())
+    # The gathered tensor is a copy.
+    out.zero_()
+    torch.testing.assert_close(pool.gather(blocks, num_tokens), kv)
+
+
+def test_scatter_casts_dtype_and_validates() -> None:
+    pool = _pool(torch.bfloat16)
+    kv = torch.randn(L, 2, 3, H, D)
+    pool.scatter([1], kv)
+    torch.testing.assert_close(pool.gather([1], 3), kv.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        pool.scatter([1], torch.randn(L, 2, 3, H, D + 1))
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        pool.scatter([1], torch.randn(L, 2, 17, H, D))
+    with pytest.raises(ValueError, match="out of range"):
+        pool.gather([NB], 1)
+    with pytest.raises(ValueError, match="repeat"):
+        pool.scatter([1, 1], torch.randn(L, 2, 20, H, D))
+    assert pool.gather([], 0).shape == (L, 2, 0, H, D)
