@@ -1,0 +1,389 @@
+"""DecodeScheduler policy: reservations, admission, continuous batching, preemption, deadlines.
+
+Pure Python over a real KVCacheManager with tiny pools and exact block ids; the "runner" is a
+deterministic function of the scheduled tokens so every decision can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.request import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    DecodeRequest,
+    ErrorEvent,
+    FinishedEvent,
+    PreemptedEvent,
+    RequestRefused,
+    TokensEvent,
+)
+from decode_worker.scheduler import DecodeScheduler, SeqState, StepPlan
+from pdserve.config import SchedulerConfig
+from pdserve.engine.batch import SampledToken
+from pdserve.kv_cache.manager import KVCacheManager
+from pdserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+VOCAB = 100
+EOS = 99
+BS = 4  # tokens per block
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(
+    num_blocks: int = 16,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    chunk: int = 0,
+    chunked: bool = True,
+    caching: bool = False,
+    clock: Clock | None = None,
+) -> DecodeScheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=chunk,
+    )
+    return DecodeScheduler(
+        kv,
+        cfg,
+        max_model_len=max_model_len,
+        vocab_size=VOCAB,
+        eos_token_ids=(EOS,),
+        clock=clock or Clock(),
+    )
+
+
+def req(
+    rid: str,
+    n: int,
+    *,
+    max_tokens: int = 8,
+    local: bool = False,
+    prev: int = 0,
+    deadline: float | None = None,
+    kv_timeout_s: float | None = None,
+    **sp: object,
+) -> DecodeRequest:
+    return DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(range(1, n + 1)),
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sp),  # type: ignore[arg-type]
+        num_output_tokens=prev,
+        prefill_locally=local,
+        deadline=deadline,
+        kv_timeout_s=kv_timeout_s,
+    )
+
+
+def fake_runner(plan: StepPlan, token: int | None = None) -> list[SampledToken | None]:
+    """Next token = (position of the sampled token) % 50 + 1, or ``token`` when given."""
+    out: list[SampledToken | None] = []
+    for s in plan.seqs:
+        assert len(s.block_table) * BS >= s.num_tokens_after
+        out.append(
+            SampledToken(token if token is not None else s.num_tokens_after % 50 + 1)
+            if s.sample
+            else None
+        )
+    return out
+
+
+def step(s: DecodeScheduler, token: int | None = None) -> StepPlan:
+    plan = s.schedule()
+    s.update(plan, fake_runner(plan, token))
+    return plan
+
+
+def events_of(s: DecodeScheduler) -> list[tuple[str, object]]:
+    return s.drain()[0]
+
+
+def test_remote_reservation_and_admission() -> None:
+    s = make(num_blocks=8)
+    table = s.add_request(req("a", 6), transfer_id=7)
+    assert table == [0, 1]  # 6 tokens -> 2 blocks of 4
+    assert s.state("a") is SeqState.WAITING_FOR_KV and s.num_waiting_for_kv == 1
+    assert s.schedule().empty  # nothing runs before the KV arrives
+    s.update(StepPlan(), [])
+    assert s.kv_arrived("a", 7, SampledToken(11))
+    assert s.state("a") is SeqState.READY
+    plan = s.schedule()
+    (seq,) = plan.seqs
+    # token 1 (11) is decoded at position 6; a block boundary is crossed at 8, not yet.
+    assert seq.token_ids == [11] and seq.num_computed == 6 and seq.block_table == [0, 1]
+    assert seq.output_token_ids == [11] and seq.prompt_token_ids == [1, 2, 3, 4, 5, 6]
+    s.update(plan, fake_runner(plan))
+    ev = events_of(s)
+    assert ev == [("a", TokensEvent((SampledToken(8),)))]  # token 1 is not re-streamed
+    plan = s.schedule()
+    assert plan.seqs[0].block_table == [0, 1] and plan.seqs[0].num_computed == 7
+    s.update(plan, fake_runner(plan))
+    plan = s.schedule()  # position 8 needs a third block
+    assert plan.seqs[0].block_table == [0, 1, 2]
+    s.update(plan, fake_runner(plan))
+    s.check_integrity()
+
+
+def test_refusals() -> None:
+    s = make(num_blocks=4, max_model_len=32)
+    with pytest.raises(RequestRefused) as e:
+        s.add_request(req("x", 32))
+    assert e.value.code == INVALID_ARGUMENT and "max_model_len" in e.value.message
+    with pytest.raises(RequestRefused, match="num_output_tokens"):
+        s.add_request(req("x", 4, prev=4))
+    with pytest.raises(RequestRefused, match="max_tokens"):
+        s.add_request(req("x", 6, prev=3, max_tokens=3))
+    bad = DecodeRequest("x", (1, VOCAB), SamplingParams())
+    with pytest.raises(RequestRefused, match=r"\[0, 100\)"):
+        s.add_request(bad)
+    s.add_request(req("a", 12))  # 3 of 4 blocks
+    with pytest.raises(RequestRefused) as e:
+        s.add_request(req("b", 8))
+    assert e.value.code == RESOURCE_EXHAUSTED and "1 of 4 free" in e.value.message
+    with pytest.raises(RequestRefused) as e:
+        s.add_request(req("a", 2))
+    assert e.value.code == "ALREADY_EXISTS"
+    assert not s.has("b")
+    s.check_integrity()
+
+
+def test_token_one_finishes_immediately() -> None:
+    s = make()
+    s.add_request(req("len", 5, max_tokens=1), transfer_id=1)
+    s.add_request(req("eos", 5), transfer_id=2)
+    s.add_request(req("ign", 5, ignore_eos=True), transfer_id=3)
+    s.add_request(req("prev", 5, prev=2, max_tokens=3), transfer_id=4)
+    for rid, tid, tok in (("len", 1, 5), ("eos", 2, EOS), ("ign", 3, EOS), ("prev", 4, 5)):
+        s.kv_arrived(rid, tid, SampledToken(tok))
+    assert events_of(s) == [
+        ("len", FinishedEvent("length", 1)),
+        ("eos", FinishedEvent("stop", 1)),
+        ("prev", FinishedEvent("length", 3)),  # 2 earlier outputs + token 1 = max_tokens
+    ]
+    assert s.has("ign") and not s.has("len")
+    assert s.kv.num_free_blocks == 16 - 2
+    s.check_integrity()
+
+
+def test_stop_conditions() -> None:
+    s = make(max_model_len=12)
+    s.add_request(req("stop", 4, stop_token_ids=(42,)), transfer_id=1)
+    s.add_request(req("minlen", 4, min_tokens=3, stop_token_ids=(42,)), transfer_id=2)
+    s.add_request(req("model", 9, max_tokens=100), transfer_id=3)
+    for rid, tid in (("stop", 1), ("minlen", 2), ("model", 3)):
+        s.kv_arrived(rid, tid, SampledToken(5))
+    step(s, token=42)
+    ev = dict((r, e) for r, e in events_of(s) if not isinstance(e, TokensEvent))
+    assert ev == {"stop": FinishedEvent("stop", 2)}
+    step(s, token=42)  # minlen now has 3 outputs; model reaches 9 + 3 = 12 tokens
+    ev = dict((r, e) for r, e in events_of(s) if not isinstance(e, TokensEvent))
+    assert ev == {"minlen": FinishedEvent("stop", 3), "model": FinishedEvent("length", 3)}
+    assert s.kv.num_free_blocks == 16
+    s.check_integrity()
+
+
+def test_max_num_seqs_and_fifo_admission() -> None:
+    s = make(max_num_seqs=2)
+    for i, rid in enumerate("abc"):
+        s.add_request(req(rid, 3, max_tokens=3), transfer_id=i)
+    for i, rid in zip((2, 0, 1), "cab", strict=True):
+        s.kv_arrived(rid, i, SampledToken(5))
+    plan = step(s)
+    assert [x.request_id for x in plan.seqs] == ["c", "a"]  # KV arrival order
+    assert s.num_ready == 1
+    step(s)  # c and a finish (3 outputs)
+    plan = step(s)
+    assert [x.request_id for x in plan.seqs] == ["b"]
+
+
+def test_preempts_newest_when_out_of_blocks() -> None:
+    s = make(num_blocks=4)
+    s.add_request(req("old", 4, max_tokens=20), transfer_id=1)
+    s.add_request(req("new", 4, max_tokens=20), transfer_id=2)
+    s.kv_arrived("old", 1, SampledToken(7))
+    s.kv_arrived("new", 2, SampledToken(9))
+    # Step 1: both need a 2nd block at position 4 -> 4 blocks used.
+    step(s)
+    events_of(s)
+    assert s.kv.num_free_blocks == 0
+    for _ in range(3):
+        step(s)
+    # Position 8 needs a 3rd block for "old": "new" (the newest) is preempted.
+    plan = step(s)
+    assert [x.request_id for x in plan.seqs] == ["old"]
+    (pre,) = [(r, e) for r, e in events_of(s) if isinstance(e, PreemptedEvent)]
+    assert pre[0] == "new"
+    assert pre[1].output_token_ids == (9, 6, 7, 8, 9)  # token 1 + four decoded tokens
+    assert s.num_preemptions == 1 and not s.has("new")
+    s.check_integrity()
+
+
+def test_preempts_itself_when_alone() -> None:
+    s = make(num_blocks=2)
+    s.add_request(req("a", 4, max_tokens=20), transfer_id=1)
+    s.add_request(req("b", 4, max_tokens=20), transfer_id=2)  # holds the other block, no KV yet
+    s.kv_arrived("a", 1, SampledToken(7))
+    plan = step(s)
+    assert plan.empty
+    assert events_of(s) == [("a", PreemptedEvent((7,), "no free KV blocks"))]
+    assert s.state("b") is SeqState.WAITING_FOR_KV
+    s.check_integrity()
+
+
+def test_chunked_local_prefill_delays_decodes_by_one_chunk() -> None:
+    s = make(num_blocks=32, chunk=8, max_model_len=128)
+    s.add_request(req("d", 4, max_tokens=50), transfer_id=1)
+    s.kv_arrived("d", 1, SampledToken(3))
+    step(s)
+    s.add_request(req("long", 30, local=True, max_tokens=2))
+    sizes = []
+    for _ in range(5):
+        plan = s.schedule()
+        assert plan.seqs[0].request_id == "d" and len(plan.seqs[0].token_ids) == 1
+        sizes.append([len(x.token_ids) for x in plan.seqs[1:]])
+        s.update(plan, fake_runner(plan))
+    assert sizes == [[8], [8], [8], [6], [1]]  # the 30-token prompt in 8-token chunks, then decode
+    ev = [(r, e) for r, e in events_of(s) if r == "long"]
+    assert ev == [
+        ("long", TokensEvent((SampledToken(31),))),
+        ("long", TokensEvent((SampledToken(32),))),
+        ("long", FinishedEvent("length", 2)),
+    ]
+    s.check_integrity()
+
+
+def test_local_prefill_uses_full_budget_when_alone_and_unchunked_waits() -> None:
+    s = make(num_blocks=32, chunk=8, max_num_batched_tokens=16, max_model_len=128)
+    s.add_request(req("p", 20, local=True, max_tokens=1))
+    assert [len(x.token_ids) for x in step(s).seqs] == [16]
+    assert [len(x.token_ids) for x in step(s).seqs] == [4]
+    u = make(num_blocks=32, max_num_batched_tokens=16, chunked=False, max_model_len=16)
+    u.add_request(req("p", 10, local=True, max_tokens=1))
+    plan = step(u)
+    assert [(len(x.token_ids), x.sample) for x in plan.seqs] == [(10, True)]
+
+
+def test_prefix_cache_hit_for_local_prefill() -> None:
+    s = make(caching=True)
+    s.add_request(req("a", 9, local=True, max_tokens=1))
+    step(s)
+    assert events_of(s)[-1] == ("a", FinishedEvent("length", 1))
+    s.add_request(req("b", 10, local=True, max_tokens=1))
+    plan = s.schedule()
+    (x,) = plan.seqs
+    assert x.num_computed == 8 and x.token_ids == [9, 10]  # two cached blocks reused
+    s.update(plan, fake_runner(plan))
+    assert s.kv.prefix_cache_stats == (19, 8)
+    s.check_integrity()
+
+
+def test_abort_each_stage_is_idempotent() -> None:
+    s = make(num_blocks=8)
+    s.add_request(req("wait", 4), transfer_id=1)
+    s.add_request(req("run", 4), transfer_id=2)
+    s.kv_arrived("run", 2, SampledToken(5))
+    step(s)
+    events_of(s)
+    assert s.abort("wait") and not s.abort("wait")
+    assert s.abort("run") and not s.abort("run")
+    ev, released = s.drain()
+    assert ev == [
+        ("wait", ErrorEvent(CANCELLED, "aborted")),
+        ("run", ErrorEvent(CANCELLED, "aborted")),
+    ]
+    assert released == [1]  # the receiver must forget transfer 1
+    assert not s.kv_arrived("wait", 1, SampledToken(5))  # late KV for an aborted request
+    s.add_request(req("done", 4, max_tokens=1), transfer_id=3)
+    s.kv_arrived("done", 3, SampledToken(5))
+    assert not s.abort("done")  # just finished: nothing held
+    assert s.kv.num_free_blocks == 8
+    s.check_integrity()
+
+
+def test_abort_mid_step_frees_after_update() -> None:
+    s = make(num_blocks=8)
+    s.add_request(req("a", 4), transfer_id=1)
+    s.kv_arrived("a", 1, SampledToken(5))
+    plan = s.schedule()
+    assert s.abort("a")
+    assert s.kv.num_free_blocks == 6  # the forward may still write blocks 0-1
+    s.add_request(req("a", 4, prev=1), transfer_id=2)  # same id re-used by the router
+    s.update(plan, fake_runner(plan))
+    ev, _ = s.drain()
+    assert ev == [("a", ErrorEvent(CANCELLED, "aborted"))]  # no token after the terminal event
+    assert s.kv.num_free_blocks == 7 and s.state("a") is SeqState.WAITING_FOR_KV
+    assert not s.kv_arrived("a", 1, SampledToken(5))  # the first attempt's transfer is stale
+    s.check_integrity()
+
+
+def test_deadlines_and_kv_timeout() -> None:
+    clock = Clock()
+    s = make(clock=clock)
+    s.add_request(req("kv", 4, kv_timeout_s=2.0), transfer_id=1)
+    s.add_request(req("dl", 4, deadline=clock.t + 5), transfer_id=2)
+    s.kv_arrived("dl", 2, SampledToken(5))
+    assert s.next_deadline() == clock.t + 2
+    clock.t += 2.5
+    step(s)
+    ev, released = s.drain()
+    assert ev[0] == (
+        "kv",
+        ErrorEvent(DEADLINE_EXCEEDED, "KV for transfer 1 did not arrive in time"),
+    )
+    assert released == [1]
+    clock.t += 3
+    s.expire()
+    ev, _ = s.drain()
+    assert ev == [("dl", ErrorEvent(DEADLINE_EXCEEDED, "request deadline passed"))]
+    assert s.kv.num_free_blocks == 16
+    s.check_integrity()
+
+
+def test_kv_failed_and_fail_step() -> None:
+    s = make()
+    s.add_request(req("a", 4), transfer_id=1)
+    s.add_request(req("b", 4), transfer_id=2)
+    assert not s.kv_failed("a", 9, "UNAVAILABLE", "x")  # another attempt's transfer
+    assert s.kv_failed("a", 1, "UNAVAILABLE", "channel down")
+    s.kv_arrived("b", 2, SampledToken(5))
+    plan = s.schedule()
+    s.fail_step(plan, "forward raised")
+    ev, released = s.drain()
+    assert ev == [
+        ("a", ErrorEvent("UNAVAILABLE", "channel down")),
+        ("b", ErrorEvent(INTERNAL, "forward raised")),
+    ]
+    assert released == []  # the receiver already dropped transfer 1 itself
+    assert s.kv.num_free_blocks == 16
+    s.check_integrity()
+
+
+def test_update_checks_result_count() -> None:
+    s = make()
+    s.add_request(req("a", 4), transfer_id=1)
+    s.kv_arrived("a", 1, SampledToken(5))
+    plan = s.schedule()
+    with pytest.raises(RuntimeError, match="before update"):
+        s.schedule()
+    with pytest.raises(ValueError, match="0 results for 1 seqs"):
+        s.update(plan, [])
+    s.update(s.schedule(), [SampledToken(5)])  # the step was not applied; it runs again
+    assert s.drain()[0] == [("a", TokensEvent((SampledToken(5),)))]
