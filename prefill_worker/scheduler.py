@@ -1,0 +1,304 @@
+"""Prefill scheduler (no torch): chunked, batched prefill with automatic prefix caching.
+
+Each ``schedule()`` call packs prompt chunks of several requests into one step under
+``max_num_batched_tokens`` (B) and ``max_num_seqs``.
+
+Policy (first-come-first-served with a bounded delay for short prompts):
+
+* A request is *long* while its uncomputed remainder exceeds the threshold
+  ``T = long_prefill_token_threshold`` (``0`` means ``B // 2``); otherwise it is *short*.
+* Pass 1 walks requests in arrival order: running (already admitted) ones first, then the waiting
+  queue. Short requests take their whole remainder while budget lasts. All long requests of a
+  step **share at most T tokens** between them (the earliest gets them first), so at least
+  ``B - T`` tokens of every step stay available to short prompts. A waiting long request that
+  finds the long share used up is passed over (it keeps its place), so shorter prompts behind it
+  still run.
+* Pass 2 (work conserving): budget left after pass 1 goes to the long requests, in arrival order,
+  so a long prompt alone on the worker runs at the full B tokens per step.
+* Admission reserves KV blocks for the request's whole prompt at once (a prefill worker holds KV
+  only until it is sent), after reusing cached prefix blocks. If the pool cannot hold the next
+  request to admit, admission stops for the step: memory is strictly first-come-first-served,
+  so small prompts cannot starve a big one.
+
+The bound: a short prompt (remainder <= T) that reaches the head of the short requests is
+scheduled within one step, and the short prompts ahead of it are served at >= ``B - T`` tokens
+per step, so its wait is at most ``ceil(short tokens ahead / (B - T)) + 1`` steps regardless of
+how many long prompts arrived before it (given KV room). A long prompt progresses by at least
+``T`` tokens per step once it is the earliest long request.
+
+With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no T cap; config ensures
+``B >= max_model_len``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.batch import ScheduledSeq
+from pdserve.kv_cache.manager import KVCacheManager
+from prefill_worker.request import PrefillRequest, PrefillState
+
+
+@dataclass(eq=False)
+class PrefillSeq:
+    """A request's progress. ``num_computed``: tokens whose KV is in the pool (cache hits
+    included). ``num_cached``: tokens served from the prefix cache at admission. Times are
+    ``time.monotonic()`` seconds."""
+
+    request: PrefillRequest
+    arrival: float = field(default_factory=time.monotonic)
+    state: PrefillState = PrefillState.WAITING
+    num_computed: int = 0
+    num_cached: int = 0
+    first_scheduled: float | None = None
+    stats_recorded: bool = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens to prefill (prompt plus earlier output on a re-prefill)."""
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens not yet computed."""
+        return self.num_tokens - self.num_computed
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: ``seq`` computes ``batch.token_ids`` next."""
+
+    seq: PrefillSeq
+    batch: ScheduledSeq
+
+
+class PrefillScheduler:
+    """Owns the waiting queue, the running prefills and the requests whose KV is being sent.
+
+    All methods must be called from one thread (the engine serialises them).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        b = config.max_num_batched_tokens
+        t = config.long_prefill_token_threshold or max(1, b // 2)
+        self.long_threshold = min(t, b)
+        self._waiting: deque[PrefillSeq] = deque()
+        self._running: list[PrefillSeq] = []  # admitted, prompt not fully computed; FCFS
+        self._sending: dict[str, PrefillSeq] = {}
+        self._by_id: dict[str, PrefillSeq] = {}
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests still computing or sending their KV."""
+        return len(self._running) + len(self._sending)
+
+    @property
+    def num_sending(self) -> int:
+        """Requests whose KV transfer is in flight."""
+        return len(self._sending)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of waiting and running requests not yet computed."""
+        return sum(s.remaining for s in self._waiting) + sum(s.remaining for s in self._running)
+
+    def has_unscheduled_work(self) -> bool:
+        """True when a ``schedule()`` call could produce chunks."""
+        return bool(self._waiting or self._running)
+
+    def get(self, request_id: str) -> PrefillSeq | None:
+        """The live request with this id, or None."""
+        return self._by_id.get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def add(self, seq: PrefillSeq) -> None:
+        """Queue a request (validated by the engine). Raises ValueError for a duplicate id."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id!r} is already queued")
+        seq.state = PrefillState.WAITING
+        self._waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def remove(self, request_id: str) -> PrefillSeq | None:
+        """Drop a request in any state and free its blocks. Returns it, or None if unknown."""
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.state is PrefillState.WAITING:
+            self._waiting.remove(seq)
+        elif seq.state is PrefillState.RUNNING:
+            self._running.remove(seq)
+        elif seq.state is PrefillState.SENDING:
+            del self._sending[request_id]
+        self.kv.free(request_id)
+        seq.state = PrefillState.DONE
+        return seq
+
+    # ----------------------------------------------------------------------------- scheduling
+    def schedule(self, now: float | None = None) -> list[ScheduledChunk]:
+        """Pick this step's chunks (see the module docstring). Admits waiting requests.
+
+        ``now``: ``time.monotonic()`` seconds used for ``first_scheduled`` (default: now).
+        """
+        cfg = self.config
+        chunked = cfg.enable_chunked_prefill
+        budget = cfg.max_num_batched_tokens
+        long_left = self.long_threshold if chunked else budget
+        picks: dict[PrefillSeq, int] = {}
+
+        def is_long(remaining: int) -> bool:
+            return chunked and remaining > self.long_threshold
+
+        # Pass 1: arrival order; long requests share at most T tokens of the step.
+        for seq in self._running:
+            if budget == 0 or len(picks) >= cfg.max_num_seqs:
+                break
+            n = min(seq.remaining, budget)
+            if is_long(seq.remaining):
+                n = min(n, long_left)
+                long_left -= n
+            if n > 0:
+                picks[seq] = n
+                budget -= n
+        passed_over: list[PrefillSeq] = []
+        for seq in list(self._waiting):
+            if budget == 0 or len(picks) >= cfg.max_num_seqs:
+                break
+            blocks, cached = self._lookup(seq)
+            remaining = seq.num_tokens - cached
+            if is_long(remaining) and long_left == 0:
+                passed_over.append(seq)  # keeps its place; shorter prompts behind it may run
+                continue
+            if not chunked and remaining > budget:
+                break  # runs whole next step
+            if not self._admit(seq, blocks, cached):
+                break  # memory is FCFS: nothing behind it may overtake
+            n = min(remaining, budget)
+            if is_long(remaining):
+                n = min(n, long_left)
+                long_left -= n
+            picks[seq] = n
+            budget -= n
+        # Pass 2 (work conserving): leftover budget to long requests in arrival order.
+        if chunked:
+            for seq in self._running:
+                if budget == 0:
+                    break
+                have = picks.get(seq, 0)
+                if have == 0 and len(picks) >= cfg.max_num_seqs:
+                    continue
+                extra = min(seq.remaining - have, budget)
+                if extra > 0:
+                    picks[seq] = have + extra
+                    budget -= extra
+            for seq in passed_over:
+                if budget == 0 or len(picks) >= cfg.max_num_seqs:
+                    break
+                blocks, cached = self._lookup(seq)
+                if not self._admit(seq, blocks, cached):
+                    break
+                n = min(seq.remaining, budget)
+                picks[seq] = n
+                budget -= n
+
+        t = time.monotonic() if now is None else now
+        out: list[ScheduledChunk] = []
+        for seq in self._running:  # emit in arrival (admission) order
+            n = picks.get(seq, 0)
+            if n == 0:
+                continue
+            if seq.first_scheduled is None:
+                seq.first_scheduled = t
+            out.append(ScheduledChunk(seq, self._batch_entry(seq, n)))
+        return out
+
+    def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
+        """Prefix-cache hit for a waiting request; counted in the hit rate once per request."""
+        hit = self.kv.get_computed_blocks(
+            seq.request.prompt_token_ids, record_stats=not seq.stats_recorded
+        )
+        seq.stats_recorded = True
+        return hit
+
+    def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:
+        """Reserve blocks for the whole prompt, reusing the cached ``blocks`` (looked up just
+        before, with no allocation in between). WAITING -> RUNNING; False when no room."""
+        if self.kv.allocate_slots(seq.request_id, seq.num_tokens, blocks) is None:
+            return False
+        seq.num_cached = cached
+        seq.num_computed = cached
+        seq.state = PrefillState.RUNNING
+        self._waiting.remove(seq)
+        self._running.append(seq)
+        return True
+
+    def _batch_entry(self, seq: PrefillSeq, n: int) -> ScheduledSeq:
+        req = seq.request
+        tokens = req.prompt_token_ids
+        k = req.num_output_tokens
+        start = seq.num_computed
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=list(tokens[start : start + n]),
+            num_computed=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=start + n == len(tokens),
+            sampling=req.sampling,
+            prompt_token_ids=list(tokens[: len(tokens) - k]),
+            output_token_ids=list(tokens[len(tokens) - k :]) if k else [],
+        )
+
+    def on_computed(self, chunks: list[ScheduledChunk]) -> list[PrefillSeq]:
+        """Record that ``chunks`` ran: advance progress, register newly full blocks in the prefix
+        cache. Returns the requests whose prompt is now complete (moved RUNNING -> SENDING).
+        Chunks of requests removed meanwhile (aborted during the forward) are ignored."""
+        done: list[PrefillSeq] = []
+        for ch in chunks:
+            seq = ch.seq
+            if self._by_id.get(seq.request_id) is not seq or seq.state is not PrefillState.RUNNING:
+                continue
+            seq.num_computed = ch.batch.num_tokens_after
+            self.kv.cache_blocks(seq.request_id, seq.request.prompt_token_ids, seq.num_computed)
+            if seq.remaining == 0:
+                self._running.remove(seq)
+                seq.state = PrefillState.SENDING
+                self._sending[seq.request_id] = seq
+                done.append(seq)
+        return done
+
+    def finish(self, request_id: str) -> PrefillSeq | None:
+        """The KV hand-off ended (or was skipped): free the blocks, which stay as evictable prefix
+        cache. Returns the request, or None if it was removed meanwhile."""
+        return self.remove(request_id)
+
+    def check_integrity(self) -> None:
+        """Assert scheduler bookkeeping matches the KV manager. Raises AssertionError."""
+        live = list(self._waiting) + self._running + list(self._sending.values())
+        if len(live) != len(self._by_id) or {s.request_id for s in live} != set(self._by_id):
+            raise AssertionError("scheduler queues disagree with the request index")
+        for s in self._waiting:
+            if self.kv.has(s.request_id):
+                raise AssertionError(f"waiting request {s.request_id!r} holds blocks")
+        for s in self._running + list(self._sending.values()):
+            if not self.kv.has(s.request_id):
+                raise AssertionError(f"admitted request {s.request_id!r} holds no blocks")
+        self.kv.check_integrity()

@@ -1,0 +1,168 @@
+"""PrefillScheduler: chunk packing, the long-prompt bound, prefix hits, FCFS memory, removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv_cache.manager import KVCacheManager
+from pdserve.sampling_params import SamplingParams
+from prefill_worker.request import PrefillRequest, PrefillState
+from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+
+BS = 16
+
+
+def _sched(
+    num_blocks: int = 256, batched: int = 256, threshold: int = 0, max_seqs: int = 64, **kw: bool
+) -> PrefillScheduler:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=batched,
+        max_num_seqs=max_seqs,
+        max_model_len=4096 if kw.get("enable_chunked_prefill", True) else batched,
+        long_prefill_token_threshold=threshold,
+        **kw,
+    )
+    return PrefillScheduler(cfg, KVCacheManager(num_blocks, BS))
+
+
+def _add(s: PrefillScheduler, rid: str, n: int, base: int = 0, k: int = 0) -> PrefillSeq:
+    req = PrefillRequest(
+        rid, tuple(base + i for i in range(n)), SamplingParams(temperature=0), num_output_tokens=k
+    )
+    seq = PrefillSeq(req)
+    s.add(seq)
+    return seq
+
+
+def _step(s: PrefillScheduler) -> dict[str, int]:
+    chunks = s.schedule()
+    for done in s.on_computed(chunks):
+        s.finish(done.request_id)
+    s.check_integrity()
+    return {c.seq.request_id: len(c.batch.token_ids) for c in chunks}
+
+
+def test_long_prompt_is_chunked_and_runs_at_full_budget_alone() -> None:
+    s = _sched()
+    _add(s, "long", 600)
+    assert _step(s) == {"long": 256}
+    assert _step(s) == {"long": 256}
+    assert _step(s) == {"long": 88}
+    assert not s.has_unscheduled_work() and s.num_running == 0
+
+
+def test_short_prompts_get_the_rest_of_the_step_while_long_ones_share_t() -> None:
+    s = _sched(threshold=100)
+    _add(s, "long1", 1000)
+    _add(s, "long2", 1000, base=5000)
+    _add(s, "short1", 90, base=9000)
+    _add(s, "short2", 50, base=9500)
+    # long1 takes T=100, long2 is passed over, both shorts run whole (140), leftover 16 -> long1.
+    assert _step(s) == {"long1": 116, "short1": 90, "short2": 50}
+    # Only longs left: pass 1 gives long1 T, pass 2 the remaining 156 -> long1 first, then long2
+    # is admitted with what is left (nothing: long1 takes all).
+    assert _step(s) == {"long1": 256}
+    _add(s, "short3", 30, base=12000)
+    out = _step(s)
+    assert out["short3"] == 30 and out["long1"] == 226 and "long2" not in out
+
+
+@pytest.mark.parametrize("num_longs", [1, 4])
+def test_short_prompt_delay_is_bounded_by_long_prompts(num_longs: int) -> None:
+    s = _sched(threshold=64)
+    for i in range(num_longs):
+        _add(s, f"long{i}", 2000, base=10000 * (i + 1))
+    _step(s)
+    _add(s, "short", 60, base=99)
+    # Scheduled in the very next step, whatever the number of long prompts ahead.
+    assert _step(s).get("short") == 60
+
+
+def test_chunk_batch_entries_cover_positions_and_sample_on_last_chunk() -> None:
+    s = _sched(batched=64, threshold=64)
+    _add(s, "a", 100, k=3)
+    chunks = s.schedule()
+    (c,) = chunks
+    assert c.batch.num_computed == 0 and len(c.batch.token_ids) == 64 and not c.batch.sample
+    assert c.batch.block_table == list(range(7))  # whole prompt reserved at admission
+    s.on_computed(chunks)
+    (c,) = s.schedule()
+    assert c.batch.num_computed == 64 and c.batch.token_ids == list(range(64, 100))
+    assert c.batch.sample
+    assert c.batch.prompt_token_ids == list(range(97)) and c.batch.output_token_ids == [97, 98, 99]
+    (done,) = s.on_computed([c])
+    assert done.state is PrefillState.SENDING and s.num_running == 1 and s.num_sending == 1
+    s.check_integrity()
+    s.finish("a")
+    assert s.num_running == 0 and s.kv.block_pool.num_cached_blocks == 6  # 6 full blocks cached
+
+
+def test_prefix_hit_skips_cached_blocks() -> None:
+    s = _sched()
+    _add(s, "a", 100)
+    _step(s)
+    seq = _add(s, "b", 80)  # shares the first 80 tokens: 5 full blocks cached, 4 usable
+    chunks = s.schedule()
+    assert seq.num_cached == 64
+    assert chunks[0].batch.num_computed == 64 and len(chunks[0].batch.token_ids) == 16
+    assert s.kv.prefix_cache_stats == (180, 64)
+
+
+def test_memory_is_first_come_first_served() -> None:
+    s = _sched(num_blocks=8)
+    _add(s, "a", 64)  # 4 blocks
+    _add(s, "big", 80, base=1000)  # 5 blocks: does not fit next to a
+    _add(s, "small", 16, base=2000)  # would fit, but must not overtake big
+    assert _step(s) == {"a": 64}
+    assert s.num_waiting == 2
+    # a finished and was freed (its blocks are evictable): big is admitted, then small.
+    assert _step(s) == {"big": 80, "small": 16}
+
+
+def test_max_num_seqs_caps_a_step() -> None:
+    s = _sched(max_seqs=2)
+    for i in range(3):
+        _add(s, f"r{i}", 10, base=100 * i)
+    assert _step(s) == {"r0": 10, "r1": 10}
+    assert _step(s) == {"r2": 10}
+
+
+def test_unchunked_prompt_runs_whole() -> None:
+    s = _sched(batched=128, enable_chunked_prefill=False)
+    _add(s, "a", 100)
+    _add(s, "b", 100, base=500)
+    assert _step(s) == {"a": 100}
+    assert _step(s) == {"b": 100}
+
+
+@pytest.mark.parametrize("stage", ["waiting", "running", "sending"])
+def test_remove_frees_everything_in_any_state(stage: str) -> None:
+    s = _sched(batched=32, threshold=32)
+    _add(s, "x", 100)
+    if stage != "waiting":
+        s.on_computed(s.schedule())
+    if stage == "sending":
+        while s.get("x").state is PrefillState.RUNNING:  # type: ignore[union-attr]
+            s.on_computed(s.schedule())
+    seq = s.remove("x")
+    assert seq is not None and seq.state is PrefillState.DONE
+    assert s.remove("x") is None
+    assert s.kv.num_free_blocks == s.kv.num_blocks and s.num_running == s.num_waiting == 0
+    s.check_integrity()
+
+
+def test_chunks_of_a_request_removed_during_the_forward_are_ignored() -> None:
+    s = _sched()
+    _add(s, "x", 40)
+    chunks = s.schedule()
+    s.remove("x")
+    assert s.on_computed(chunks) == []
+    s.check_integrity()
+
+
+def test_duplicate_id_is_refused() -> None:
+    s = _sched()
+    _add(s, "x", 4)
+    with pytest.raises(ValueError, match="already queued"):
+        _add(s, "x", 4)
