@@ -33,6 +33,7 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
 ALREADY_EXISTS = "ALREADY_EXISTS"
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class Accepted:
 
 
 class RequestRefused(Exception):
-    """The engine cannot take a request. ``code``: CANCELLED | INVALID_ARGUMENT |
-    RESOURCE_EXHAUSTED | UNAVAILABLE | ALREADY_EXISTS (grpc.StatusCode names)."""
+    """The engine cannot take a request. ``code``: INVALID_ARGUMENT | RESOURCE_EXHAUSTED |
+    UNAVAILABLE | ALREADY_EXISTS | FAILED_PRECONDITION (grpc.StatusCode names)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

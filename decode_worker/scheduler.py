@@ -329,10 +329,14 @@ class DecodeScheduler:
 
         A sequence inside the step being computed is freed when that step's update runs.
         """
+        return self.fail(request_id, CANCELLED, message)
+
+    def fail(self, request_id: str, code: str, message: str) -> bool:
+        """End ``request_id`` with an ErrorEvent(``code``) and free it like :meth:`abort`."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self._fail(seq, CANCELLED, message)
+        self._fail(seq, code, message)
         return True
 
     # ------------------------------------------------------------------------------- stepping

@@ -1,0 +1,154 @@
+"""DecodeService on grpc.aio (proto/pdserve/v1/worker.proto): the wire face of a DecodeEngine.
+
+``Decode`` is a server stream: ``Accepted`` first, then ``Tokens`` events, then exactly one of
+``Finished`` | ``Preempted`` | ``Error``. A request the engine refuses before ``Accepted`` ends the
+RPC with a status (RESOURCE_EXHAUSTED for no KV room, INVALID_ARGUMENT, UNAVAILABLE, ...). When the
+stream is cancelled (the router went away or gave the request up) the handler aborts the request,
+which frees its blocks at once (or at the end of the step being computed).
+
+Engine events arrive on the engine's thread and are handed to this server's event loop with
+``loop.call_soon_threadsafe``; the handler then only awaits its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.request import (
+    DecodeEvent,
+    DecodeRequest,
+    FinishedEvent,
+    PreemptedEvent,
+    RequestRefused,
+    TokensEvent,
+)
+from pdserve import rpc
+from pdserve.sampling_params import SamplingError
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    """The grpc.StatusCode named ``name`` (INTERNAL for an unknown name)."""
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
+
+
+def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
+    """Wire request -> engine request. ``deadline_unix_ms`` / ``kv_timeout_s`` 0 mean unset.
+
+    Raises SamplingError naming a bad sampling field.
+    """
+    return DecodeRequest(
+        request_id=m.request_id,
+        prompt_token_ids=tuple(m.prompt_token_ids),
+        sampling=rpc.sampling_from_proto(m.sampling),
+        num_output_tokens=m.num_output_tokens,
+        prefill_locally=m.prefill_locally,
+        deadline=m.deadline_unix_ms / 1000.0 if m.deadline_unix_ms > 0 else None,
+        kv_timeout_s=m.kv_timeout_s if m.kv_timeout_s > 0 else None,
+    )
+
+
+def event_to_proto(ev: DecodeEvent) -> pb.DecodeEvent:
+    """Engine event -> wire event."""
+    if isinstance(ev, TokensEvent):
+        return pb.DecodeEvent(tokens=rpc.tokens_to_proto(ev.tokens))
+    if isinstance(ev, FinishedEvent):
+        return pb.DecodeEvent(
+            finished=pb.Finished(reason=ev.reason, num_output_tokens=ev.num_output_tokens)
+        )
+    if isinstance(ev, PreemptedEvent):
+        return pb.DecodeEvent(
+            preempted=pb.Preempted(output_token_ids=list(ev.output_token_ids), reason=ev.reason)
+        )
+    return pb.DecodeEvent(
+        error=pb.ErrorEvent(code=status_code(ev.code).value[0], message=ev.message)
+    )
+
+
+class DecodeService(pb_grpc.DecodeServiceServicer):
+    """gRPC servicer over one :class:`DecodeEngine` (whose step loop must be running)."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeEvent]:
+        """Reserve, then stream this request's events (see the module docstring)."""
+        try:
+            req = request_from_proto(request)
+        except SamplingError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+
+        def sink(ev: DecodeEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except RuntimeError:  # the loop closed (server shutting down)
+                pass
+
+        try:
+            acc = self.engine.add_request(req, sink)
+        except RequestRefused as e:
+            await context.abort(status_code(e.code), e.message)
+        done = False
+        try:
+            yield pb.DecodeEvent(
+                accepted=pb.Accepted(
+                    transfer_id=acc.transfer_id,
+                    kv_endpoint=acc.kv_endpoint,
+                    decode_worker_id=acc.decode_worker_id,
+                    num_reserved_blocks=acc.num_reserved_blocks,
+                )
+            )
+            while True:
+                ev = await queue.get()
+                done = not isinstance(ev, TokensEvent)
+                yield event_to_proto(ev)
+                if done:
+                    return
+        finally:
+            if not done:  # cancelled stream (router gone) or the server is stopping
+                if self.engine.abort(req.request_id):
+                    log.info("decode stream for %s closed early; request aborted", req.request_id)
+
+    async def Abort(  # noqa: N802 - gRPC method name
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """Drop a request; unknown ids are a no-op (found=False)."""
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def GetStats(  # noqa: N802 - gRPC method name
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DecodeStats:
+        """Engine counters (see DecodeStatsSnapshot)."""
+        s = self.engine.stats()
+        return pb.DecodeStats(
+            worker_id=s.worker_id,
+            num_running=s.num_running,
+            num_waiting_for_kv=s.num_waiting_for_kv,
+            num_waiting=s.num_waiting,
+            kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_total=s.kv_blocks_total,
+            step_time_ms=s.step_time_ms,
+            generation_tokens_per_s=s.generation_tokens_per_s,
+            num_preemptions=s.num_preemptions,
+            num_finished=s.num_finished,
+            kv_endpoint=s.kv_endpoint,
+        )
+
+
+def add_to_server(engine: DecodeEngine, server: grpc.aio.Server) -> DecodeService:
+    """Register a DecodeService for ``engine`` on ``server``; returns the servicer."""
+    service = DecodeService(engine)
+    pb_grpc.add_DecodeServiceServicer_to_server(service, server)
+    return service
