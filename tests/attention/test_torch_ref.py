@@ -1,0 +1,88 @@
+"""torch_ref attention over a paged pool equals naive attention over contiguous K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.attention.base import AttentionMetadata, get_backend
+from pdserve.config import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+H, HKV, D, BS, NB = 4, 2, 8, 4, 40
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """q [n, H, D] at positions offset.., k/v [offset + n, HKV, D] -> [n, H, D], by definition."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(k.shape[0])[None, :] <= (offset + torch.arange(q.shape[0]))[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def test_mixed_batch_matches_naive_and_writes_slots() -> None:
+    gen = torch.Generator().manual_seed(0)
+    backend = get_backend("torch_ref")
+    k_cache, v_cache = torch.zeros(2, NB, BS, HKV, D).unbind(0)
+    # (cached tokens, new tokens, block table): decode, chunk after cache, fresh prefill, decode
+    seqs = [(9, 1, [7, 3, 11]), (6, 7, [0, 5, 20, 21]), (0, 10, [30, 31, 32]), (1, 1, [39])]
+    full_k = [torch.randn(c + n, HKV, D, generator=gen) for c, n, _ in seqs]
+    full_v = [torch.randn(c + n, HKV, D, generator=gen) for c, n, _ in seqs]
+    for (c, _, table), fk, fv in zip(seqs, full_k, full_v, strict=True):
+        for p in range(c):  # earlier tokens already in the pool
+            k_cache[table[p // BS], p % BS] = fk[p]
+            v_cache[table[p // BS], p % BS] = fv[p]
+    q = torch.randn(sum(n for _, n, _ in seqs), H, D, generator=gen)
+    k = torch.cat([fk[c:] for (c, _, _), fk in zip(seqs, full_k, strict=True)])
+    v = torch.cat([fv[c:] for (c, _, _), fv in zip(seqs, full_v, strict=True)])
+    meta = AttentionMetadata.build(
+        [n for _, n, _ in seqs], [c for c, _, _ in seqs], [t for _, _, t in seqs], BS
+    )
+    assert meta.num_decodes == 2 and len(meta.prefills) == 2
+    assert meta.query_start_loc.tolist() == [0, 1, 8, 18, 19]
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+
+    start = 0
+    for (c, n, table), fk, fv in zip(seqs, full_k, full_v, strict=True):
+        ref = _naive(q[start : start + n], fk, fv, c)
+        assert torch.allclose(out[start : start + n], ref, atol=1e-5)
+        for p in range(c, c + n):  # new K/V landed at their slots
+            assert torch.equal(k_cache[table[p // BS], p % BS], fk[p])
+            assert torch.equal(v_cache[table[p // BS], p % BS], fv[p])
+        start += n
+
+
+def test_decode_only_batch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, NB, BS, HKV, D, generator=gen).unbind(0)
+    lens, tables = [5, 13, 2], [[3, 4], [10, 11, 12, 13], [0]]
+    q = torch.randn(3, H, D, generator=gen)
+    k, v = torch.randn(2, 3, HKV, D, generator=gen).unbind(0)
+    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, BS)
+    assert meta.num_decodes == 3 and not meta.prefills
+    out = get_backend().forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        fk = torch.cat([k_cache[b] for b in table])[:n]
+        fv = torch.cat([v_cache[b] for b in table])[:n]
+        assert torch.allclose(out[i : i + 1], _naive(q[i : i + 1], fk, fv, n - 1), atol=1e-5)
+
+
+def test_slot_mapping() -> None:
+    meta = AttentionMetadata.build([3, 1], [2, 4], [[5, 9], [1, 2]], 4)
+    assert meta.slot_mapping.tolist() == [22, 23, 36, 8]
+    assert meta.seq_lens.tolist() == [5, 5]
+    assert meta.block_tables.tolist() == [[5, 9], [1, 2]]
+
+
+def test_bad_metadata_is_named() -> None:
+    with pytest.raises(ValueError, match="sequence 1: block table has 1 blocks but 5 tokens"):
+        AttentionMetadata.build([2, 5], [0, 0], [[0], [1]], 4)
+    with pytest.raises(ValueError, match="sequence 0: query_len must be >= 1"):
+        AttentionMetadata.build([0], [0], [[0]], 4)
+    with pytest.raises(ConfigError, match="attention backend 'flash' is not available"):
+        get_backend("flash")
