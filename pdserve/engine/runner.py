@@ -17,7 +17,7 @@ from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import SampledToken, ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
-from pdserve.model.loader import load_model, load_model_config, torch_dtype
+from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
 
 
@@ -31,10 +31,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         load = config.load
-        self.model_config: ModelConfig = model_config or load_model_config(load)
         self.dtype: torch.dtype = torch_dtype(load.resolved_dtype)
         self.device = torch.device(load.device)
-        self.model = load_model(load, self.model_config)
+        self.model = load_model(load, model_config)
+        self.model_config: ModelConfig = self.model.config
         cfg = self.model_config
         self.block_size: int = config.cache.block_size
         self.num_blocks: int = config.cache.blocks_for(cfg, load.resolved_dtype)
@@ -57,9 +57,13 @@ class ModelRunner:
                 raise ValueError(f"request {seq.request_id}: no tokens scheduled")
             if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
                 raise ValueError(f"request {seq.request_id}: token id outside [0, {vocab})")
-            if seq.block_table and not (
-                0 <= min(seq.block_table) and max(seq.block_table) < self.num_blocks
-            ):
+            need = -(-seq.num_tokens_after // self.block_size)
+            if len(seq.block_table) < need:
+                raise ValueError(
+                    f"request {seq.request_id}: block table has {len(seq.block_table)} blocks, "
+                    f"{seq.num_tokens_after} tokens need {need}"
+                )
+            if not (0 <= min(seq.block_table) and max(seq.block_table) < self.num_blocks):
                 raise ValueError(
                     f"request {seq.request_id}: block id outside [0, {self.num_blocks})"
                 )

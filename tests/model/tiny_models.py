@@ -37,7 +37,11 @@ class PagedForward:
         dtype = next(model.parameters()).dtype
         self.model, self.block_size = model, block_size
         self.pool = KVPool(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
             dtype,
         )
         self.caches = [self.pool.layer(i) for i in range(cfg.num_hidden_layers)]
