@@ -55,7 +55,9 @@ class PagedForward:
     ) -> list[torch.Tensor]:
         """One packed forward; returns per-sequence logits [len(chunk), vocab] (float32)."""
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-        pos = torch.cat([torch.arange(n, n + len(c)) for c, n in zip(chunks, num_computed)])
+        pos = torch.cat(
+            [torch.arange(n, n + len(c)) for c, n in zip(chunks, num_computed, strict=True)]
+        )
         meta = AttentionMetadata.build(
             [len(c) for c in chunks], num_computed, tables, self.block_size
         )
