@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.batch import SampledToken
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kv_transfer.base import TransferRecord
 
 # Error codes, named after grpc.StatusCode members; the service maps them to the wire.
 CANCELLED = "CANCELLED"
@@ -76,20 +80,6 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
-class TransferSummary:
-    """The KV transfer's outcome as the engine reports it (mirrors kv_transfer's record).
-
-    ``outcome``: "ok" | "failed" | "dropped" | "timeout"; ``path``: "transferred".
-    """
-
-    transfer_id: int
-    bytes: int
-    ms: float
-    outcome: str
-    path: str = "transferred"
-
-
-@dataclass(frozen=True)
 class PrefillResult:
     """A finished prefill: token 1, cache hits, and timings in milliseconds.
 
@@ -104,4 +94,4 @@ class PrefillResult:
     queue_ms: float
     compute_ms: float
     transfer_ms: float
-    transfer: TransferSummary | None
+    transfer: TransferRecord | None  # the KV transfer's record; None without a target
