@@ -1,0 +1,50 @@
+"""The only reader of environment variables (STYLE 3). Everything else takes values as arguments.
+
+Variables (all optional):
+
+- ``PDSERVE_API_KEY``: Bearer key the gateways require when ``--api-key`` is not given.
+- ``PDSERVE_LOG_LEVEL``: log level name for ``pdserve`` processes (default ``INFO``).
+- ``PDSERVE_RAY_ADDRESS``: Ray cluster to join when ``--ray-address`` is not given.
+
+Each function reads the environment when called (not at import), so tests can set variables with
+``monkeypatch.setenv``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+API_KEY = "PDSERVE_API_KEY"
+LOG_LEVEL = "PDSERVE_LOG_LEVEL"
+RAY_ADDRESS = "PDSERVE_RAY_ADDRESS"
+
+
+def _get(name: str) -> str | None:
+    """The variable's value stripped of surrounding spaces; None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def api_key() -> str | None:
+    """``PDSERVE_API_KEY`` or None."""
+    return _get(API_KEY)
+
+
+def ray_address() -> str | None:
+    """``PDSERVE_RAY_ADDRESS`` or None."""
+    return _get(RAY_ADDRESS)
+
+
+def log_level() -> int:
+    """``PDSERVE_LOG_LEVEL`` as a ``logging`` level (default INFO).
+
+    Raises ValueError naming the variable when the value is not a level name.
+    """
+    name = (_get(LOG_LEVEL) or "INFO").upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise ValueError(
+            f"{LOG_LEVEL}={name!r} is not a log level; use DEBUG, INFO, WARNING or ERROR"
+        )
+    return level

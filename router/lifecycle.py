@@ -1,0 +1,606 @@
+"""One sequence's life in the router: the request state machine of DESIGN §4, in one place.
+
+States and transitions (``_ALLOWED``)::
+
+    QUEUED ──> PREFILLING ──> DECODING ──> FINISHED
+      ^            │              │
+      └────────────┤              v
+                   │          MIGRATING ──> PREFILLING ...
+                   v
+    any non-terminal state ──> ABORTED | FAILED
+
+* **QUEUED / MIGRATING -> PREFILLING**: a decode worker D (ranked by :func:`router.policy.rank_decode`)
+  accepts a ``Decode`` stream and reserves KV blocks; its first event is ``Accepted{transfer_id,
+  kv_endpoint}``. In MIGRATING the "prompt" is prompt + tokens generated so far, with
+  ``num_output_tokens`` telling the worker how many trailing tokens are output (penalties, seeds).
+* **PREFILLING -> DECODING**: disaggregated: a prefill worker P (ranked by
+  :class:`router.policy.PrefillPolicy`) runs ``Prefill`` with D as the KV target and returns token 1,
+  which is emitted at once (TTFT). Unified (``--mode unified``, or no prefill worker is up): D
+  prefills locally and its first ``Tokens`` event carries token 1.
+* **DECODING**: D's ``Tokens`` events are emitted in order until ``Finished`` (-> FINISHED).
+  ``Preempted`` (D ran out of KV), an ``ErrorEvent`` or a broken stream -> MIGRATING: the sequence
+  is re-prefilled on a decode worker again and the caller's token stream continues unbroken.
+* A failed or timed-out Prefill releases D's reservation and goes back to QUEUED (MIGRATING when
+  tokens exist) to try another P: at most ``max_prefill_attempts`` failures in all.
+* **ABORTED**: the consumer closed the token stream (stop string, client disconnect) or the
+  deadline passed; **FAILED**: a non-retryable error or the retry budgets ran out. Both send one
+  idempotent ``Abort`` to every worker that holds state for the sequence.
+
+Worker-facing request ids are ``<request_id>`` for the first placement and ``<request_id>~<k>``
+for the k-th re-placement, so a late Abort for an old attempt never hits a newer one.
+
+Usage: iterate :meth:`RequestLifecycle.run` (an async generator of ``SampledToken``); when it ends,
+``finish_reason`` is "stop" or "length". Closing the generator early (``aclose()`` or task
+cancellation) aborts the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve import rpc
+from pdserve.engine.batch import SampledToken
+from pdserve.kv_cache.block_pool import prefix_block_hashes
+from pdserve.sampling_params import SamplingParams
+from pdserve.v1 import worker_pb2 as pb
+from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
+from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
+from router.pool import WorkerPool, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+class RequestState(str, enum.Enum):
+    """Router-side state of one sequence (DESIGN §4)."""
+
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    MIGRATING = "migrating"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+S = RequestState
+TERMINAL = frozenset({S.FINISHED, S.ABORTED, S.FAILED})
+_ALLOWED: dict[RequestState, frozenset[RequestState]] = {
+    S.QUEUED: frozenset({S.PREFILLING, S.ABORTED, S.FAILED}),
+    S.PREFILLING: frozenset({S.DECODING, S.QUEUED, S.MIGRATING, S.ABORTED, S.FAILED}),
+    S.DECODING: frozenset({S.MIGRATING, S.FINISHED, S.ABORTED, S.FAILED}),
+    S.MIGRATING: frozenset({S.PREFILLING, S.FINISHED, S.ABORTED, S.FAILED}),
+    S.FINISHED: frozenset(),
+    S.ABORTED: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+# Errors that mean "this worker is (probably) down", as opposed to "busy" or "bad request".
+_WORKER_DOWN = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+# Aborts run in the background so a cancelled consumer never waits on them; keep references so
+# the tasks are not garbage-collected mid-flight.
+_background: set[asyncio.Task[object]] = set()
+
+
+def spawn(coro: Coroutine[Any, Any, object]) -> None:
+    """Run ``coro`` in the background, keeping a reference until it finishes."""
+    task: asyncio.Task[object] = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def drain_background(timeout_s: float = 5.0) -> None:
+    """Wait for background aborts (tests and shutdown)."""
+    if _background:
+        await asyncio.wait(list(_background), timeout=timeout_s)
+
+
+class IllegalTransition(RuntimeError):
+    """A transition not in the state machine; always a router bug."""
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """Knobs of the lifecycle. Times in seconds.
+
+    ``unified``: always prefill on the decode worker. ``accept_timeout_s``: wait for ``Accepted``.
+    ``prefill_timeout_s``: one Prefill call. ``kv_timeout_s``: how long D keeps a reservation
+    waiting for KV (0 = the worker's default). ``no_worker_timeout_s``: how long to wait for any
+    decode worker to appear before failing with 503. ``max_prefill_attempts``: failed prefills
+    tolerated per sequence. ``max_replacements``: re-placements (preemptions + broken streams)
+    tolerated per sequence. ``max_backoff_s``: ceiling of the wait between rounds when every
+    decode worker is full.
+    """
+
+    block_size: int = 16
+    unified: bool = False
+    accept_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+    kv_timeout_s: float = 0.0
+    no_worker_timeout_s: float = 30.0
+    max_prefill_attempts: int = 3
+    max_replacements: int = 16
+    max_backoff_s: float = 0.5
+    abort_timeout_s: float = 2.0
+
+
+class _Leg:
+    """An open Decode stream on one worker (one placement attempt)."""
+
+    def __init__(
+        self, worker: WorkerState, call: grpc.aio.UnaryStreamCall, attempt_id: str, blocks: int
+    ) -> None:
+        self.worker = worker
+        self.call = call
+        self.attempt_id = attempt_id
+        self.blocks = blocks
+        self.accepted: pb.Accepted | None = None
+        self.open = True
+        worker.inflight += 1
+        worker.new_running += 1
+        worker.new_blocks += blocks
+
+    def close(self, abort: bool, timeout_s: float) -> None:
+        """Release the router-side counters; with ``abort`` cancel the stream and send Abort."""
+        if not self.open:
+            return
+        self.open = False
+        self.worker.inflight -= 1
+        if abort:
+            self.call.cancel()
+            spawn(self.worker.client.abort(self.attempt_id, timeout_s))
+
+
+class RequestLifecycle:
+    """Drive one sequence through prefill and decode (see the module docstring).
+
+    ``prompt_token_ids``: the prompt (>= 1 token). ``sampling``: with ``max_tokens`` resolved
+    (tokens; counts every output token). ``deadline``: ``time.monotonic()`` seconds after which
+    the sequence is aborted with :class:`RequestTimeout`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        pool: WorkerPool,
+        config: LifecycleConfig,
+        deadline: float,
+        prefill_policy: PrefillPolicy | None = None,
+    ) -> None:
+        if sampling.max_tokens is None:
+            raise ValueError("sampling.max_tokens must be resolved before the lifecycle starts")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.max_tokens: int = sampling.max_tokens
+        self.pool = pool
+        self.config = config
+        self.deadline = deadline
+        self.policy = prefill_policy or PrefillPolicy()
+        self._sampling_pb = rpc.sampling_to_proto(sampling)
+
+        self.state = S.QUEUED
+        self.output: list[SampledToken] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.cached_tokens = 0  # prompt tokens served by a prefix cache (first prefill)
+        self.transfers: list[pb.TransferRecord] = []
+        self.num_preemptions = 0
+        self.num_migrations = 0  # re-placements after a broken stream / worker error
+        self.num_prefill_failures = 0
+        self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
+        self.first_token_time: float | None = None
+        self._attempts = 0
+        self._leg: _Leg | None = None
+        self._prefill_holder: tuple[WorkerState, str] | None = None
+        self._prefix_hashes: list[int] | None = None
+        self._failed_prefill: set[str] = set()
+        self._left_decode: set[str] = set()  # decode workers that preempted or lost this sequence
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _set(self, new: RequestState) -> None:
+        if new is self.state:
+            return
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.name} -> {new.name}")
+        log.debug("%s: %s -> %s", self.request_id, self.state.name, new.name)
+        self.state = new
+        self.state_times.setdefault(new, time.monotonic())
+
+    def _retry_state(self) -> RequestState:
+        return S.MIGRATING if self.output else S.QUEUED
+
+    def _remaining(self) -> float:
+        """Seconds left before the deadline; raises RequestTimeout when none."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestTimeout(
+                f"request {self.request_id} exceeded its deadline (--request-timeout)"
+            )
+        return left
+
+    def _deadline_unix_ms(self) -> int:
+        return int((time.time() + (self.deadline - time.monotonic())) * 1000)
+
+    def _unified(self) -> bool:
+        return self.config.unified or not self.pool.workers("prefill")
+
+    # -- the state machine --------------------------------------------------------------------
+
+    async def run(self) -> AsyncGenerator[SampledToken, None]:
+        """Yield output tokens in order; ``finish_reason`` is set when the iterator ends.
+
+        Raises RouterError subclasses (BadRequest, NoWorkers, RequestTimeout, WorkerFailure).
+        """
+        try:
+            while self.state not in TERMINAL:
+                if len(self.output) >= self.max_tokens:  # nothing left after a re-placement
+                    self._end(S.FINISHED, "length")
+                    break
+                local = self._unified()
+                leg = await self._place(local)
+                self._set(S.PREFILLING)
+                if not local:
+                    first, kv_sent = await self._prefill(leg)
+                    if first is None:
+                        continue
+                    self._set(S.DECODING)
+                    for tok in self._take([first]):
+                        yield tok
+                    if self.state in TERMINAL:
+                        break
+                    if not kv_sent:  # token 1 is good but D never got the KV: re-place
+                        self._lost(leg, "KV transfer failed", None)
+                        continue
+                async with contextlib.aclosing(self._follow(leg)) as tokens:
+                    async for tok in tokens:
+                        yield tok
+        except asyncio.CancelledError:
+            self._end(S.ABORTED, None)
+            raise
+        except GeneratorExit:
+            self._end(S.ABORTED, None)
+            raise
+        except BaseException as e:
+            self.error = e
+            self._end(S.ABORTED if isinstance(e, RequestTimeout) else S.FAILED, None)
+            raise
+        finally:
+            if self.state not in TERMINAL:
+                self._end(S.ABORTED, None)
+
+    def _end(self, state: RequestState, reason: str | None) -> None:
+        """Enter a terminal state; release and abort everything still held."""
+        if self.state in TERMINAL:
+            return
+        self._set(state)
+        self.finish_reason = reason
+        timeout = self.config.abort_timeout_s
+        if self._leg is not None:
+            self._leg.close(abort=state is not S.FINISHED, timeout_s=timeout)
+            self._leg = None
+        if self._prefill_holder is not None:
+            worker, attempt_id = self._prefill_holder
+            self._prefill_holder = None
+            spawn(worker.client.abort(attempt_id, timeout))
+
+    def _take(self, tokens: Sequence[SampledToken]) -> list[SampledToken]:
+        """Accept new tokens, never beyond max_tokens (then finish with 'length')."""
+        room = self.max_tokens - len(self.output)
+        accepted = list(tokens[:room])
+        if accepted and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output.extend(accepted)
+        if len(self.output) >= self.max_tokens and len(tokens) > len(accepted):
+            log.warning("%s: worker sent tokens past max_tokens", self.request_id)
+            self._end(S.FINISHED, "length")
+        return accepted
+
+    # -- placement on a decode worker -----------------------------------------------------------
+
+    async def _place(self, local: bool) -> _Leg:
+        """Open a Decode stream on the best decode worker that accepts; wait while all are full."""
+        tokens = self.prompt_token_ids + [t.token_id for t in self.output]
+        blocks = blocks_for_tokens(len(tokens) + 1, self.config.block_size)
+        backoff = 0.02
+        no_worker_since: float | None = None
+        while True:
+            left = self._remaining()
+            ranking = rank_decode(self.pool.decode_loads(), blocks)
+            # re-placement goes elsewhere first: workers that preempted or lost it go last
+            ranking.sort(key=lambda w: w in self._left_decode)
+            capacity = max((w.info.num_blocks for w in self.pool.workers("decode")), default=0)
+            if ranking and 0 < capacity < blocks:
+                raise NoWorkers(
+                    f"the sequence needs {blocks} KV blocks ({len(tokens)} tokens) but the largest "
+                    f"decode worker holds {capacity} blocks"
+                )
+            if not ranking:
+                now = time.monotonic()
+                no_worker_since = no_worker_since or now
+                if now - no_worker_since > self.config.no_worker_timeout_s:
+                    raise NoWorkers("no decode worker is available; try again later")
+                await self.pool.wait_changed(min(left, 0.5))
+                continue
+            no_worker_since = None
+            for worker_id in ranking:
+                worker = self.pool.get(worker_id)
+                if worker is None:
+                    continue
+                leg = await self._open(worker, tokens, blocks, local)
+                if leg is not None:
+                    self._leg = leg
+                    return leg
+            await asyncio.sleep(min(backoff, self._remaining()))
+            backoff = min(backoff * 2, self.config.max_backoff_s)
+
+    def _next_attempt_id(self) -> str:
+        k = self._attempts
+        self._attempts += 1
+        return self.request_id if k == 0 else f"{self.request_id}~{k}"
+
+    async def _open(
+        self, worker: WorkerState, tokens: list[int], blocks: int, local: bool
+    ) -> _Leg | None:
+        """Try one decode worker. Returns the accepted leg, or None to try the next worker."""
+        attempt_id = self._next_attempt_id()
+        req = pb.DecodeRequest(
+            request_id=attempt_id,
+            prompt_token_ids=tokens,
+            num_output_tokens=len(self.output),
+            sampling=self._sampling_pb,
+            prefill_locally=local,
+            deadline_unix_ms=self._deadline_unix_ms(),
+            kv_timeout_s=self.config.kv_timeout_s,
+        )
+        timeout = min(self._remaining(), self.config.accept_timeout_s)
+        leg = _Leg(worker, worker.client.decode(req), attempt_id, blocks)
+        abort_timeout = self.config.abort_timeout_s
+        try:
+            event = await asyncio.wait_for(leg.call.read(), timeout)
+        except grpc.aio.AioRpcError as e:
+            leg.close(abort=False, timeout_s=abort_timeout)
+            self._refused(worker, e.code(), e.details() or "")
+            return None
+        except asyncio.TimeoutError:
+            leg.close(abort=True, timeout_s=abort_timeout)
+            self.pool.report_failure(worker.worker_id)
+            log.warning(
+                "%s: %s did not accept within %.1f s", attempt_id, worker.worker_id, timeout
+            )
+            return None
+        if event is grpc.aio.EOF:
+            leg.close(abort=True, timeout_s=abort_timeout)
+            self.pool.report_failure(worker.worker_id)
+            return None
+        kind = event.WhichOneof("event")
+        if kind == "accepted":
+            leg.accepted = event.accepted
+            return leg
+        leg.close(abort=True, timeout_s=abort_timeout)
+        if kind == "error":
+            self._refused(worker, _status(event.error.code), event.error.message)
+            return None
+        log.error("%s: %s sent %s before Accepted", attempt_id, worker.worker_id, kind)
+        self.pool.report_failure(worker.worker_id)
+        return None
+
+    def _refused(self, worker: WorkerState, code: grpc.StatusCode, details: str) -> None:
+        """A decode worker refused a reservation: bad request raises, anything else moves on."""
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            raise BadRequest(f"rejected by decode worker: {details}")
+        if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            log.warning(
+                "%s: decode %s refused: %s %s",
+                self.request_id,
+                worker.worker_id,
+                code.name,
+                details,
+            )
+            if code in _WORKER_DOWN:
+                self.pool.report_failure(worker.worker_id)
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def _affinity_hashes(self) -> list[int]:
+        if self._prefix_hashes is None:
+            bs = self.config.block_size
+            head = self.prompt_token_ids[: self.policy.affinity_blocks * bs]
+            self._prefix_hashes = prefix_block_hashes(head, bs)
+        return self._prefix_hashes
+
+    async def _prefill(self, leg: _Leg) -> tuple[SampledToken | None, bool]:
+        """Prefill on the best prefill worker with ``leg`` as KV target.
+
+        Returns (token 1, whether its KV reached D), or (None, False) to go round again. On failure the decode reservation is released and the state goes back to QUEUED (or
+        MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure.
+        """
+        assert leg.accepted is not None
+        ranking = self.policy.rank(self.pool.prefill_loads(), self._affinity_hashes())
+        # retry elsewhere: workers that already failed this sequence go last
+        ranking.sort(key=lambda w: w in self._failed_prefill)
+        if not ranking:  # every prefill worker vanished since placement: go round again
+            self._drop_leg(abort=True)
+            self._set(self._retry_state())
+            return None, False
+        worker = self.pool.get(ranking[0])
+        assert worker is not None
+        tokens = self.prompt_token_ids + [t.token_id for t in self.output]
+        req = pb.PrefillRequest(
+            request_id=leg.attempt_id,
+            prompt_token_ids=tokens,
+            sampling=self._sampling_pb,
+            target=pb.KVTarget(
+                transfer_id=leg.accepted.transfer_id,
+                kv_endpoint=leg.accepted.kv_endpoint,
+                decode_worker_id=leg.accepted.decode_worker_id or leg.worker.worker_id,
+            ),
+            num_output_tokens=len(self.output),
+            deadline_unix_ms=self._deadline_unix_ms(),
+        )
+        worker.inflight += 1
+        worker.inflight_tokens += len(tokens)
+        self._prefill_holder = (worker, leg.attempt_id)
+        try:
+            timeout = min(self._remaining(), self.config.prefill_timeout_s)
+            resp = await worker.client.prefill(req, timeout)
+        except grpc.aio.AioRpcError as e:
+            self._prefill_failed(worker, leg, e.code(), e.details() or "")
+            return None, False
+        finally:
+            worker.inflight -= 1
+            worker.inflight_tokens -= len(tokens)
+        self._prefill_holder = None
+        self.transfers.append(resp.transfer)
+        if not self.output:
+            self.cached_tokens = resp.cached_tokens
+        kv_sent = resp.transfer.outcome in ("", "ok")
+        if not kv_sent:
+            log.warning("%s: KV transfer %s", leg.attempt_id, resp.transfer.outcome)
+        return rpc.token_from_proto(resp.token), kv_sent
+
+    def _prefill_failed(
+        self, worker: WorkerState, leg: _Leg, code: grpc.StatusCode, details: str
+    ) -> None:
+        if self._prefill_holder is not None:
+            spawn(worker.client.abort(leg.attempt_id, self.config.abort_timeout_s))
+            self._prefill_holder = None
+        self._drop_leg(abort=True)
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            raise BadRequest(f"rejected by prefill worker: {details}")
+        if code in _WORKER_DOWN:
+            self.pool.report_failure(worker.worker_id)
+        self.num_prefill_failures += 1
+        self._failed_prefill.add(worker.worker_id)
+        log.warning(
+            "%s: prefill on %s failed (%s: %s), attempt %d/%d",
+            leg.attempt_id, worker.worker_id, code.name, details,
+            self.num_prefill_failures, self.config.max_prefill_attempts,
+        )  # fmt: skip
+        if self.num_prefill_failures >= self.config.max_prefill_attempts:
+            raise WorkerFailure(
+                f"prefill failed {self.num_prefill_failures} times (last: {code.name}: {details})"
+            )
+        self._set(self._retry_state())
+
+    def _drop_leg(self, abort: bool) -> None:
+        if self._leg is not None:
+            self._leg.close(abort=abort, timeout_s=self.config.abort_timeout_s)
+            self._leg = None
+
+    def _check_replacements(self) -> None:
+        total = self.num_preemptions + self.num_migrations
+        if total > self.config.max_replacements:
+            raise WorkerFailure(
+                f"request re-placed {total} times (limit {self.config.max_replacements}); giving up"
+            )
+
+    # -- decode stream ---------------------------------------------------------------------------
+
+    async def _follow(self, leg: _Leg) -> AsyncGenerator[SampledToken, None]:
+        """Emit D's tokens until Finished (-> FINISHED) or a re-placement (-> MIGRATING)."""
+        while True:
+            try:
+                event = await asyncio.wait_for(leg.call.read(), self._remaining())
+            except asyncio.TimeoutError:
+                raise RequestTimeout(
+                    f"request {self.request_id} exceeded its deadline (--request-timeout)"
+                ) from None
+            except grpc.aio.AioRpcError as e:
+                self._lost(leg, f"stream broke: {e.code().name} {e.details()}", e.code())
+                return
+            if event is grpc.aio.EOF:
+                self._lost(leg, "stream ended without Finished", grpc.StatusCode.UNAVAILABLE)
+                return
+            kind = event.WhichOneof("event")
+            if kind == "tokens":
+                if self.state is S.PREFILLING:
+                    self._set(S.DECODING)
+                for tok in self._take([rpc.token_from_proto(t) for t in event.tokens.tokens]):
+                    yield tok
+                if self.state in TERMINAL:
+                    return
+            elif kind == "finished" and self.state is S.DECODING:
+                self._drop_leg(abort=False)
+                self._end(S.FINISHED, event.finished.reason or "stop")
+                return
+            elif kind == "preempted":
+                for tok in self._take(self._reconcile(event.preempted.output_token_ids)):
+                    yield tok
+                if self.state not in TERMINAL:
+                    self._preempted(leg, event.preempted)
+                return
+            elif kind == "error":
+                code = _status(event.error.code)
+                if code is grpc.StatusCode.INVALID_ARGUMENT:
+                    raise BadRequest(f"rejected by decode worker: {event.error.message}")
+                self._lost(leg, f"error event {code.name}: {event.error.message}", code)
+                return
+            else:
+                self._lost(leg, f"unexpected {kind} event", grpc.StatusCode.INTERNAL)
+                return
+
+    def _reconcile(self, output_ids: Sequence[int]) -> list[SampledToken]:
+        """Tokens the worker generated that the router has not emitted (normally none)."""
+        have = len(self.output)
+        if len(output_ids) <= have:
+            return []
+        return [SampledToken(token_id=t) for t in output_ids[have:]]
+
+    def _preempted(self, leg: _Leg, ev: pb.Preempted) -> None:
+        self._drop_leg(abort=False)
+        self._left_decode.add(leg.worker.worker_id)
+        self.num_preemptions += 1
+        log.info("%s: preempted on %s (%s)", leg.attempt_id, leg.worker.worker_id, ev.reason)
+        self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
+        self._check_replacements()
+
+    def _lost(self, leg: _Leg, why: str, code: grpc.StatusCode | None) -> None:
+        """D's stream is gone: release it and re-place the sequence (MIGRATING / QUEUED)."""
+        if code in _WORKER_DOWN:
+            self.pool.report_failure(leg.worker.worker_id)
+        self._drop_leg(abort=True)
+        self._left_decode.add(leg.worker.worker_id)
+        self.num_migrations += 1
+        log.warning(
+            "%s: decode %s lost (%s); re-placing", leg.attempt_id, leg.worker.worker_id, why
+        )
+        self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
+        self._check_replacements()
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status(value: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` for an integer code (UNKNOWN if out of range)."""
+    return _STATUS_BY_NUMBER.get(value, grpc.StatusCode.UNKNOWN)
+
+
+async def cancel_quietly(task: asyncio.Task[object]) -> None:
+    """Cancel ``task`` and wait for it, swallowing its CancelledError."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

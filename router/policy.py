@@ -1,0 +1,124 @@
+"""Placement policy: which decode worker reserves KV, which prefill worker computes the prompt.
+
+Pure functions over load snapshots (no I/O, no gRPC, no Ray), so every decision is testable in
+microseconds. Each function returns a *ranking* (best first) rather than one worker, so the
+lifecycle can fall through to the next candidate when the first refuses or fails.
+
+Decode: a worker must have room for the prompt's blocks; among those, the fewest running
+sequences wins (continuous batching slows every sequence on a busy worker), ties broken by more
+free blocks. Workers without room come last, most free blocks first (their stats may be stale).
+
+Prefill: prefix affinity by rendezvous (highest-random-weight) hashing, Thaler & Ravishankar,
+"A Name-Based Mapping Scheme for Rendezvous" (1996): every router computes the same owner for a
+prompt prefix without shared state, and adding or removing a worker only moves the prefixes it
+owned. The key is the chained hash of the prompt's first ``affinity_blocks`` full KV blocks (the
+hash of a block names its whole prefix), so prompts that share a system prompt or few-shot header
+land where that prefix is cached. A load guard, in the spirit of SGLang's cache-aware router
+(route by cache unless the cluster is imbalanced), sends the request to the least-queued worker
+instead when the affine one has both ``balance_abs_tokens`` more queued prompt tokens than the
+least-queued worker and ``balance_rel`` times as many.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode worker's load as the router sees it.
+
+    ``free_blocks``: KV blocks free (reported, minus reservations the router made since the
+    report). ``running``: sequences running or waiting for KV (reported plus router in-flight not
+    yet reflected in a report).
+    """
+
+    worker_id: str
+    free_blocks: int
+    running: int
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """A prefill worker's load: ``queued_tokens`` = prompt tokens not yet computed on it."""
+
+    worker_id: str
+    queued_tokens: int
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """KV blocks needed to hold ``num_tokens`` tokens (ceil division). Raises ValueError if < 0."""
+    if num_tokens < 0 or block_size <= 0:
+        raise ValueError(f"need num_tokens >= 0 and block_size > 0, got {num_tokens}, {block_size}")
+    return -(-num_tokens // block_size)
+
+
+def rank_decode(workers: Sequence[DecodeLoad], blocks_needed: int) -> list[str]:
+    """Decode workers best first for a request needing ``blocks_needed`` KV blocks."""
+    fits = [w for w in workers if w.free_blocks >= blocks_needed]
+    short = [w for w in workers if w.free_blocks < blocks_needed]
+    fits.sort(key=lambda w: (w.running, -w.free_blocks, w.worker_id))
+    short.sort(key=lambda w: (-w.free_blocks, w.running, w.worker_id))
+    return [w.worker_id for w in fits + short]
+
+
+def _weight(key: int, worker_id: str) -> int:
+    """Rendezvous weight of (key, worker): 64 bits of BLAKE2b, identical in every process."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(key.to_bytes(16, "little", signed=True))
+    h.update(worker_id.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def rendezvous_rank(key: int, worker_ids: Sequence[str]) -> list[str]:
+    """Worker ids by descending rendezvous weight for ``key`` (the first one owns the key)."""
+    return sorted(worker_ids, key=lambda w: (-_weight(key, w), w))
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """Prefix-affinity prefill placement with a load guard (see the module docstring).
+
+    ``affinity_blocks``: how many leading full blocks form the affinity key (>= 1).
+    ``balance_abs_tokens``: queued-token gap (tokens) beyond which affinity may be overridden.
+    ``balance_rel``: ratio (>= 1) the affine worker's queue must also exceed over the minimum.
+    """
+
+    affinity_blocks: int = 4
+    balance_abs_tokens: int = 2048
+    balance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.affinity_blocks < 1:
+            raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
+        if self.balance_abs_tokens < 0:
+            raise ValueError(f"balance_abs_tokens must be >= 0, got {self.balance_abs_tokens}")
+        if self.balance_rel < 1:
+            raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
+
+    def affinity_key(self, prefix_hashes: Sequence[int]) -> int | None:
+        """The chained hash of the first ``affinity_blocks`` full blocks; None without a full block."""
+        if not prefix_hashes:
+            return None
+        return prefix_hashes[min(len(prefix_hashes), self.affinity_blocks) - 1]
+
+    def rank(self, workers: Sequence[PrefillLoad], prefix_hashes: Sequence[int]) -> list[str]:
+        """Prefill workers best first. ``prefix_hashes``: the prompt's chained full-block hashes."""
+        if not workers:
+            return []
+        by_load = sorted(workers, key=lambda w: (w.queued_tokens, w.worker_id))
+        key = self.affinity_key(prefix_hashes)
+        if key is None:
+            return [w.worker_id for w in by_load]
+        owner_id = rendezvous_rank(key, [w.worker_id for w in workers])[0]
+        owner = next(w for w in workers if w.worker_id == owner_id)
+        least = by_load[0]
+        gap = owner.queued_tokens - least.queued_tokens
+        imbalanced = (
+            gap > self.balance_abs_tokens
+            and owner.queued_tokens > self.balance_rel * least.queued_tokens
+        )
+        first = least if imbalanced else owner
+        return [first.worker_id] + [w.worker_id for w in by_load if w is not first]

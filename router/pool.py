@@ -1,0 +1,211 @@
+"""The router's view of its workers: membership, health and load, fed by polling GetStats.
+
+Membership changes come from outside (``router/cluster.py`` on Ray, or tests): ``upsert`` adds a
+worker or replaces one whose address changed (a restarted actor), ``remove`` drops it. A
+background task polls every worker's GetStats each ``stats_interval_s``; a worker that fails
+``unhealthy_after`` polls (or RPCs, via :meth:`WorkerPool.report_failure`) in a row is skipped by
+placement until a poll succeeds again.
+
+Between polls the router corrects stale stats with its own bookkeeping: requests it placed on a
+decode worker since the last report count as running and their blocks as used; prompt tokens it
+sent to a prefill worker count as queued until the Prefill call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.worker_info import WorkerInfo
+from router.policy import DecodeLoad, PrefillLoad
+from router.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    """One worker as the pool tracks it. Counts are router-side unless named ``stats``."""
+
+    client: WorkerClient
+    healthy: bool = True
+    stats: pb.PrefillStats | pb.DecodeStats | None = None
+    stats_at: float = 0.0  # time.monotonic() of the last successful poll
+    failures: int = 0  # consecutive failed polls / RPCs
+    inflight: int = 0  # requests the router has placed here and not finished
+    inflight_tokens: int = 0  # prefill: prompt tokens sent, Prefill not yet returned
+    new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
+    new_running: int = 0  # decode: requests placed since the last poll
+
+    @property
+    def info(self) -> WorkerInfo:
+        return self.client.info
+
+    @property
+    def worker_id(self) -> str:
+        return self.client.worker_id
+
+
+class WorkerPool:
+    """Workers by id and role. ``stats_interval_s`` > 0 seconds; ``unhealthy_after`` >= 1."""
+
+    def __init__(self, stats_interval_s: float = 0.5, unhealthy_after: int = 2) -> None:
+        if stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s must be > 0, got {stats_interval_s}")
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after}")
+        self.stats_interval_s = stats_interval_s
+        self.unhealthy_after = unhealthy_after
+        self._workers: dict[str, WorkerState] = {}
+        self._changed = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._retired: list[WorkerClient] = []
+
+    # -- membership -------------------------------------------------------------------------
+
+    def upsert(self, info: WorkerInfo) -> WorkerState:
+        """Add ``info``, or replace the entry with the same id when its address changed."""
+        old = self._workers.get(info.worker_id)
+        if old is not None and old.info == info:
+            return old
+        if old is not None:
+            self._retired.append(old.client)
+        state = WorkerState(client=WorkerClient(info))
+        self._workers[info.worker_id] = state
+        log.info("worker %s (%s) at %s registered", info.worker_id, info.role, info.grpc_address)
+        self._notify()
+        return state
+
+    def remove(self, worker_id: str) -> bool:
+        """Drop a worker (its channel closes on the next poll). Returns whether it was known."""
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return False
+        self._retired.append(state.client)
+        log.info("worker %s removed", worker_id)
+        self._notify()
+        return True
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Wait until membership or health changes, or ``timeout_s`` seconds pass."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def workers(self, role: str, healthy_only: bool = True) -> list[WorkerState]:
+        """Workers of ``role`` ('prefill' | 'decode'), by id."""
+        return sorted(
+            (
+                w
+                for w in self._workers.values()
+                if w.info.role == role and (w.healthy or not healthy_only)
+            ),
+            key=lambda w: w.worker_id,
+        )
+
+    def __iter__(self) -> Iterator[WorkerState]:
+        return iter(list(self._workers.values()))
+
+    # -- load snapshots for the policy -------------------------------------------------------
+
+    def decode_loads(self) -> list[DecodeLoad]:
+        """Healthy decode workers' load, corrected by router-side placements since the last poll."""
+        loads = []
+        for w in self.workers("decode"):
+            s = w.stats
+            if isinstance(s, pb.DecodeStats):
+                free = s.kv_blocks_free - w.new_blocks
+                running = s.num_running + s.num_waiting_for_kv + s.num_waiting + w.new_running
+            else:  # never polled yet: assume the geometry it reported at start
+                free = w.info.num_blocks - w.new_blocks
+                running = w.inflight
+            loads.append(DecodeLoad(w.worker_id, free_blocks=free, running=running))
+        return loads
+
+    def prefill_loads(self) -> list[PrefillLoad]:
+        """Healthy prefill workers' queued prompt tokens (reported + router in flight)."""
+        loads = []
+        for w in self.workers("prefill"):
+            reported = w.stats.num_queued_tokens if isinstance(w.stats, pb.PrefillStats) else 0
+            loads.append(PrefillLoad(w.worker_id, queued_tokens=reported + w.inflight_tokens))
+        return loads
+
+    # -- health ------------------------------------------------------------------------------
+
+    def report_failure(self, worker_id: str) -> None:
+        """An RPC to the worker failed in a way that suggests it is down."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        w.failures += 1
+        if w.healthy and w.failures >= self.unhealthy_after:
+            w.healthy = False
+            log.warning("worker %s marked unhealthy", worker_id)
+            self._notify()
+
+    async def poll_once(self) -> None:
+        """Poll every worker's GetStats once (concurrently) and update health."""
+        for client in self._retired:
+            await client.close()
+        self._retired.clear()
+        states = list(self._workers.values())
+        results = await asyncio.gather(
+            *(w.client.get_stats(timeout_s=max(1.0, 2 * self.stats_interval_s)) for w in states),
+            return_exceptions=True,
+        )
+        for w, r in zip(states, results, strict=True):
+            if isinstance(r, BaseException):
+                if not isinstance(r, grpc.aio.AioRpcError):
+                    log.error("GetStats on %s raised %r", w.worker_id, r)
+                self.report_failure(w.worker_id)
+                continue
+            w.stats = r
+            w.stats_at = time.monotonic()
+            w.failures = 0
+            w.new_blocks = 0
+            w.new_running = 0
+            if not w.healthy:
+                w.healthy = True
+                log.info("worker %s healthy again", w.worker_id)
+                self._notify()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the poller must survive anything
+                log.exception("worker stats poll failed")
+            await asyncio.sleep(self.stats_interval_s)
+
+    def start(self) -> None:
+        """Start the background stats poller (idempotent); needs a running event loop."""
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        """Stop polling and close every channel."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for w in list(self._workers.values()):
+            await w.client.close()
+        for client in self._retired:
+            await client.close()
+        self._retired.clear()
+        self._workers.clear()

@@ -1,0 +1,300 @@
+"""The request state machine against fake gRPC workers: flow, migration, retries, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from fake_workers import EOS, FakeCluster, next_token, start_fake_cluster
+
+from pdserve.sampling_params import SamplingParams
+from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
+from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState, drain_background
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for i in range(n):
+        tok = next_token(seq, i, None)
+        seq.append(tok)
+        out.append(tok)
+    return out
+
+
+def make(
+    cluster: FakeCluster,
+    max_tokens: int = 8,
+    timeout_s: float = 20.0,
+    request_id: str = "req-1",
+    prompt: list[int] | None = None,
+    **cfg: object,
+) -> RequestLifecycle:
+    return RequestLifecycle(
+        request_id,
+        prompt or PROMPT,
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        cluster.pool,
+        LifecycleConfig(**cfg),  # type: ignore[arg-type]
+        deadline=time.monotonic() + timeout_s,
+    )
+
+
+async def collect(lc: RequestLifecycle) -> list[int]:
+    return [t.token_id async for t in lc.run()]
+
+
+async def wait_until(pred, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_disaggregated_flow_reserves_then_prefills_then_decodes() -> None:
+    c = await start_fake_cluster()
+    try:
+        lc = make(c, max_tokens=8)
+        assert await collect(lc) == expected(PROMPT, 8)
+        assert lc.state is RequestState.FINISHED and lc.finish_reason == "length"
+        (dreq,) = c.decodes[0].requests
+        (preq,) = c.prefills[0].requests
+        assert not dreq.prefill_locally and dreq.num_output_tokens == 0
+        assert list(preq.prompt_token_ids) == PROMPT
+        assert preq.target.decode_worker_id == "decode-0" and preq.target.transfer_id == 1
+        assert preq.target.kv_endpoint == c.decodes[0].kv_endpoint
+        assert lc.cached_tokens == 16 and lc.transfers[0].outcome == "ok"
+        assert set(lc.state_times) >= {RequestState.PREFILLING, RequestState.DECODING}
+        assert not c.decodes[0].held
+    finally:
+        await c.close()
+
+
+async def test_unified_mode_matches_disaggregated() -> None:
+    c = await start_fake_cluster()
+    try:
+        lc = make(c, max_tokens=8, unified=True)
+        assert await collect(lc) == expected(PROMPT, 8)
+        assert c.decodes[0].requests[0].prefill_locally
+        assert not c.prefills[0].requests
+    finally:
+        await c.close()
+
+
+async def test_no_prefill_worker_falls_back_to_local_prefill() -> None:
+    c = await start_fake_cluster(prefills=())
+    try:
+        assert await collect(make(c, max_tokens=5)) == expected(PROMPT, 5)
+        assert c.decodes[0].requests[0].prefill_locally
+    finally:
+        await c.close()
+
+
+async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
+    c = await start_fake_cluster(decodes=[{"preempt_budget": 1, "preempt_at": 3}])
+    try:
+        lc = make(c, max_tokens=8)
+        assert await collect(lc) == expected(PROMPT, 8)
+        assert lc.num_preemptions == 1 and lc.state is RequestState.FINISHED
+        first, second = c.decodes[0].requests
+        assert second.request_id == "req-1~1" and second.num_output_tokens == 3
+        assert list(second.prompt_token_ids) == PROMPT + expected(PROMPT, 3)
+        assert c.prefills[0].requests[1].num_output_tokens == 3
+        assert RequestState.MIGRATING in lc.state_times
+    finally:
+        await c.close()
+
+
+async def test_broken_decode_stream_migrates_to_another_worker() -> None:
+    c = await start_fake_cluster(decodes=[{"break_budget": 1, "break_at": 4}, {}])
+    try:
+        # both idle: the tie goes to decode-0, which breaks after 4 tokens
+        lc = make(c, max_tokens=10)
+        assert await collect(lc) == expected(PROMPT, 10)
+        assert lc.num_migrations == 1
+        assert [r.num_output_tokens for r in c.decodes[1].requests] == [4]
+    finally:
+        await c.close()
+
+
+async def test_killed_decode_worker_migrates_and_is_marked_unhealthy() -> None:
+    c = await start_fake_cluster(decodes=[{"step_s": 0.05}, {"step_s": 0.001}])
+    try:
+        lc = make(c, max_tokens=12)
+        got: list[int] = []
+        async for tok in lc.run():
+            got.append(tok.token_id)
+            if len(got) == 3:
+                await c.kill("decode-0")
+        assert got == expected(PROMPT, 12)
+        assert lc.num_migrations >= 1
+        await wait_until(lambda: not c.pool.get("decode-0").healthy)  # type: ignore[union-attr]
+    finally:
+        await c.close()
+
+
+async def test_failed_prefill_is_retried_and_releases_the_reservation() -> None:
+    c = await start_fake_cluster(prefills=[{"fail_budget": 1}, {}])
+    try:
+        # shorter than a block: no affinity, the tie goes to prefill-0, which fails once
+        lc = make(c, max_tokens=4, prompt=[5, 6, 7])
+        assert await collect(lc) == expected([5, 6, 7], 4)
+        assert lc.num_prefill_failures == 1
+        assert len(c.prefills[0].requests) == 1 and len(c.prefills[1].requests) == 1
+        await drain_background()
+        assert "req-1" in c.decodes[0].aborted  # the first reservation was given back
+        assert len(c.decodes[0].requests) == 2
+    finally:
+        await c.close()
+
+
+async def test_prefill_failing_every_time_gives_up_and_frees_everything() -> None:
+    # RESOURCE_EXHAUSTED does not mark the worker down, so there is no local-prefill fallback
+    busy = {"fail_budget": 100, "fail_code": grpc.StatusCode.RESOURCE_EXHAUSTED}
+    c = await start_fake_cluster(prefills=[busy])
+    try:
+        lc = make(c, max_tokens=4, max_prefill_attempts=3)
+        with pytest.raises(WorkerFailure, match="prefill failed 3 times"):
+            await collect(lc)
+        assert lc.state is RequestState.FAILED
+        await drain_background()
+        await wait_until(lambda: not c.decodes[0].held)
+    finally:
+        await c.close()
+
+
+async def test_prefill_invalid_argument_is_a_bad_request_without_retry() -> None:
+    c = await start_fake_cluster(
+        prefills=[{"fail_budget": 5, "fail_code": grpc.StatusCode.INVALID_ARGUMENT}]
+    )
+    try:
+        with pytest.raises(BadRequest, match="rejected by prefill worker"):
+            await collect(make(c))
+        assert len(c.prefills[0].requests) == 1
+    finally:
+        await c.close()
+
+
+async def test_full_decode_workers_are_retried_until_one_accepts() -> None:
+    c = await start_fake_cluster(decodes=[{"reject_budget": 3}])
+    try:
+        assert await collect(make(c, max_tokens=3)) == expected(PROMPT, 3)
+        assert len(c.decodes[0].requests) == 4
+    finally:
+        await c.close()
+
+
+async def test_closing_the_stream_aborts_on_every_worker_holding_state() -> None:
+    c = await start_fake_cluster(decodes=[{"step_s": 0.02}])
+    try:
+        lc = make(c, max_tokens=100)
+        gen = lc.run()
+        for _ in range(3):
+            await gen.__anext__()
+        await gen.aclose()
+        assert lc.state is RequestState.ABORTED
+        await wait_until(lambda: not c.decodes[0].held)
+        await drain_background()
+        assert "req-1" in c.decodes[0].aborted
+    finally:
+        await c.close()
+
+
+async def test_cancelled_consumer_task_aborts() -> None:
+    c = await start_fake_cluster(decodes=[{"step_s": 0.02}])
+    try:
+        lc = make(c, max_tokens=100)
+        task = asyncio.ensure_future(collect(lc))
+        await wait_until(lambda: len(lc.output) >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert lc.state is RequestState.ABORTED
+        await wait_until(lambda: not c.decodes[0].held)
+    finally:
+        await c.close()
+
+
+async def test_deadline_aborts_with_timeout() -> None:
+    c = await start_fake_cluster(decodes=[{"step_s": 0.1}])
+    try:
+        lc = make(c, max_tokens=100, timeout_s=0.5)
+        with pytest.raises(RequestTimeout):
+            await collect(lc)
+        assert lc.state is RequestState.ABORTED
+        await wait_until(lambda: not c.decodes[0].held)
+    finally:
+        await c.close()
+
+
+async def test_eos_finishes_with_stop() -> None:
+    script = [7, 8, 9, EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    try:
+        lc = make(c, max_tokens=50)
+        assert await collect(lc) == script
+        assert lc.finish_reason == "stop"
+    finally:
+        await c.close()
+
+
+async def test_failed_kv_transfer_keeps_token_one_and_reprefills() -> None:
+    c = await start_fake_cluster(prefills=[{"transfer_outcome": "failed"}, {}])
+    try:
+        # prompt shorter than a block: no affinity, least-queued (tie -> prefill-0) goes first
+        lc = make(c, max_tokens=6, prompt=[5, 6, 7])
+        out = await collect(lc)
+        assert out == expected([5, 6, 7], 6)
+        assert lc.num_migrations >= 1
+    finally:
+        await c.close()
+
+
+async def test_kv_exhaustion_preempts_and_moves_to_a_worker_with_room() -> None:
+    # decode-0 has room for the prompt (3 blocks) but not for growth past 48 tokens; decode-1
+    # (roomier, so ranked first) refuses once, so the sequence starts on decode-0
+    c = await start_fake_cluster(decodes=[{"num_blocks": 3}, {"num_blocks": 8, "reject_budget": 1}])
+    try:
+        lc = make(c, max_tokens=12)
+        assert await collect(lc) == expected(PROMPT, 12)
+        assert lc.num_preemptions == 1
+        assert [r.num_output_tokens for r in c.decodes[0].requests] == [0]
+        assert [r.num_output_tokens for r in c.decodes[1].requests] == [0, 8]
+    finally:
+        await c.close()
+
+
+async def test_sequence_larger_than_any_decode_pool_fails_fast() -> None:
+    c = await start_fake_cluster(decodes=[{"num_blocks": 2}])
+    try:
+        with pytest.raises(NoWorkers, match="largest decode worker holds 2 blocks"):
+            await collect(make(c))
+    finally:
+        await c.close()
+
+
+async def test_max_tokens_one_disaggregated() -> None:
+    c = await start_fake_cluster()
+    try:
+        lc = make(c, max_tokens=1)
+        assert await collect(lc) == expected(PROMPT, 1)
+        assert lc.finish_reason == "length"
+    finally:
+        await c.close()
+
+
+async def test_concurrent_sequences_spread_over_decode_workers() -> None:
+    c = await start_fake_cluster(decodes=[{"step_s": 0.01}, {"step_s": 0.01}])
+    try:
+        lcs = [make(c, max_tokens=6, request_id=f"r{i}") for i in range(8)]
+        outs = await asyncio.gather(*(collect(lc) for lc in lcs))
+        assert all(o == expected(PROMPT, 6) for o in outs)
+        assert len(c.decodes[0].requests) >= 2 and len(c.decodes[1].requests) >= 2
+    finally:
+        await c.close()
