@@ -9,19 +9,23 @@ It owns the ModelRunner (weights, KV pool, sampler), a :class:`KVCacheManager` o
     step: schedule (expire, admit, decodes + preemption, local prefill chunks)
           ──> runner.execute (one forward; releases the GIL) ──> update ──> events to sinks
 
-Threads: the step loop runs in one background thread (:meth:`start`); requests, aborts and KV
-arrivals come from other threads (the gRPC event loop, the receiver). One re-entrant lock guards
-the scheduler; the forward runs outside it. Each request's events go to the ``sink`` given to
-:meth:`add_request`, called with the lock held, in order, never after the request's terminal
-event: sinks must not block (the service hands events to its asyncio loop with
-``call_soon_threadsafe``). Tests may instead call :meth:`step` directly without starting the
-thread.
+Threads: the step loop runs in one background thread (:meth:`start`); requests and aborts come
+from other threads (the gRPC event loop). One re-entrant lock guards the scheduler; the forward
+runs outside it. KV arrivals are completed on the receiver's threads: their callbacks only queue a
+notice and wake the loop (they never take the engine lock, so a receiver that completes futures
+under its own lock cannot deadlock against ``receiver.cancel`` called under ours); the loop
+applies notices at the next step boundary, or within ``idle_poll_s`` when idle. Each request's
+events go to the ``sink`` given to :meth:`add_request`, called with the lock held, in order, never
+after the request's terminal event: sinks must not block (the service hands events to its asyncio
+loop with ``call_soon_threadsafe``). Tests may instead call :meth:`step` directly without
+starting the thread.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import random
 import threading
 import time
@@ -29,9 +33,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from decode_worker.request import (
+    DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
     INTERNAL,
     INVALID_ARGUMENT,
@@ -49,8 +54,7 @@ from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
 
 if TYPE_CHECKING:
-    from kv_transfer.base import KVReceiver
-
+    from kv_transfer.base import KVReceiver, TransferResult
     from pdserve.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -150,7 +154,10 @@ class DecodeEngine:
             clock=clock,
         )
         self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._kv_notices: queue.SimpleQueue[tuple[str, int, Future[TransferResult]]] = (
+            queue.SimpleQueue()
+        )
         self._sinks: dict[str, EventSink] = {}
         # Transfer ids start at a random base so a restarted worker does not accept KV that was
         # addressed to its previous incarnation. Kept below 2^62 (the header is int64).
@@ -177,6 +184,8 @@ class DecodeEngine:
         with self._lock:
             if self._stopping:
                 raise RequestRefused(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
+            if req.deadline is not None and req.deadline <= self.clock():
+                raise RequestRefused(DEADLINE_EXCEEDED, "request deadline already passed")
             if req.prefill_locally and not self.allow_local_prefill:
                 raise RequestRefused(
                     FAILED_PRECONDITION,
@@ -209,13 +218,13 @@ class DecodeEngine:
                     raise RequestRefused(UNAVAILABLE, f"KV receiver refused: {e}") from e
                 fut.add_done_callback(lambda f: self._on_kv(rid, transfer_id, f))
             self._flush()
-            self._wake.notify_all()
-            return Accepted(
-                transfer_id=transfer_id,
-                kv_endpoint=self.kv_endpoint,
-                decode_worker_id=self.worker_id,
-                num_reserved_blocks=len(table),
-            )
+        self._wake.set()
+        return Accepted(
+            transfer_id=transfer_id,
+            kv_endpoint=self.kv_endpoint,
+            decode_worker_id=self.worker_id,
+            num_reserved_blocks=len(table),
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop ``request_id`` (CANCELLED event), free its blocks, forget its KV transfer.
@@ -227,21 +236,28 @@ class DecodeEngine:
             self._flush()
             return found
 
-    def _on_kv(self, request_id: str, transfer_id: int, fut: Future[Any]) -> None:
-        """Receiver callback: the KV for ``transfer_id`` arrived (or the transfer failed)."""
-        with self._lock:
+    def _on_kv(self, request_id: str, transfer_id: int, fut: Future[TransferResult]) -> None:
+        """Receiver callback (any thread): queue the notice and wake the loop; nothing else."""
+        self._kv_notices.put((request_id, transfer_id, fut))
+        self._wake.set()
+
+    def _apply_kv_notices(self) -> None:
+        """Apply queued KV arrivals/failures to the scheduler (lock held)."""
+        while True:
+            try:
+                request_id, transfer_id, fut = self._kv_notices.get_nowait()
+            except queue.Empty:
+                return
             try:
                 result = fut.result()
             except CancelledError:
-                return  # we cancelled it (abort / deadline): the scheduler already released it
+                continue  # we cancelled it (abort / deadline): the scheduler already released it
             except Exception as e:  # noqa: BLE001 - every transfer failure ends the request
-                code = "DEADLINE_EXCEEDED" if isinstance(e, TimeoutError) else UNAVAILABLE
+                code = DEADLINE_EXCEEDED if isinstance(e, TimeoutError) else UNAVAILABLE
                 self.scheduler.kv_failed(request_id, transfer_id, code, f"KV transfer failed: {e}")
             else:
                 token = SampledToken(int(result.first_token), float(result.first_logprob))
                 self.scheduler.kv_arrived(request_id, transfer_id, token)
-            self._flush()
-            self._wake.notify_all()
 
     def _flush(self) -> None:
         """Deliver the scheduler's events to their sinks and cancel released transfers."""
@@ -264,9 +280,9 @@ class DecodeEngine:
     # ------------------------------------------------------------------------------- stepping
     @property
     def has_work(self) -> bool:
-        """True while a step would compute or admit something."""
+        """True while a step would compute or admit something (or a KV notice is queued)."""
         with self._lock:
-            return self.scheduler.has_work
+            return self.scheduler.has_work or not self._kv_notices.empty()
 
     @property
     def num_live(self) -> int:
@@ -280,6 +296,7 @@ class DecodeEngine:
         A runner exception fails that step's requests (INTERNAL) and is logged, not raised.
         """
         with self._lock:
+            self._apply_kv_notices()
             plan: StepPlan = self.scheduler.schedule()
             self._flush()
             if plan.empty:
@@ -316,6 +333,13 @@ class DecodeEngine:
             self.step()
         raise RuntimeError(f"decode engine still busy after {max_steps} steps")
 
+    def poll(self) -> None:
+        """Apply queued KV notices and expire deadlines without computing (the idle loop's work)."""
+        with self._lock:
+            self._apply_kv_notices()
+            self.scheduler.expire()
+            self._flush()
+
     def start(self) -> None:
         """Run the step loop in a background daemon thread. Raises RuntimeError if running."""
         with self._lock:
@@ -331,24 +355,23 @@ class DecodeEngine:
         """Stop the loop, fail every live request (UNAVAILABLE) and free its blocks."""
         with self._lock:
             self._stopping = True
-            self._wake.notify_all()
             thread, self._thread = self._thread, None
+        self._wake.set()
         if thread is not None:
             thread.join(timeout_s)
         with self._lock:
+            self._apply_kv_notices()
             for rid in list(self._sinks):
                 self.scheduler.fail(rid, UNAVAILABLE, f"decode worker {self.worker_id} stopped")
             self._flush()
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self.scheduler.has_work:
-                    self.scheduler.expire()
-                    self._flush()
-                    self._wake.wait(self.idle_poll_s)
-                if self._stopping:
-                    return
+        while not self._stopping:
+            self._wake.clear()  # before looking at the state, so no wake-up is lost
+            self.poll()
+            if not self.has_work:
+                self._wake.wait(self.idle_poll_s)
+                continue
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - keep serving; the step's requests were failed
