@@ -39,9 +39,7 @@ def smollm2_path() -> Path:
         p = Path(loc) / SMOLLM2_FILE
         if p.is_file():
             return p
-    raise ConfigError(
-        f"--model smollm2 needs the bundled GGUF; install it with: {SMOLLM2_INSTALL}"
-    )
+    raise ConfigError(f"--model smollm2 needs the bundled GGUF; install it with: {SMOLLM2_INSTALL}")
 
 
 def resolve_model(model: str) -> ResolvedModel:
