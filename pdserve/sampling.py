@@ -1,0 +1,331 @@
+"""Batched token sampling (DESIGN §6): penalties, truncation, seeded generators, logprobs.
+
+Per step, for logits ``[num_seqs, vocab]``, each row goes through, in order:
+
+1. raw log-probabilities ``log_softmax(logits)`` for rows that asked for logprobs (reported values
+   are of the model's own distribution, before any of what follows);
+2. repetition penalty over prompt + generated tokens (Keskar et al. 2019, "CTRL", §4.1, in the
+   form transformers uses: a positive logit is divided by the penalty, a negative one multiplied);
+3. frequency and presence penalties over generated tokens (OpenAI API reference:
+   ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
+4. ``min_tokens``: EOS and ``stop_token_ids`` masked to -inf until that many tokens were
+   generated (``ignore_eos`` masks nothing; the engine stops on EOS unless it is set);
+5. greedy rows (temperature 0, or top_k 1): argmax, done;
+6. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
+   2019: the smallest set of most likely tokens whose probability reaches top_p), min-p (Nguyen
+   et al. 2024: drop tokens whose probability is below min_p times the top token's), in the order
+   transformers applies them; then sample from the softmax.
+
+Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. picks token i with
+probability ``p_i`` (the minimum of independent exponentials ``q_i / p_i`` falls on i with
+probability ``p_i``) and needs no per-row multinomial call. The noise of a seeded request comes from
+its own ``torch.Generator`` seeded by a hash of (seed, position = len(output_token_ids)) and is
+drawn on the CPU, so its tokens depend neither on batch companions nor on which worker (or device)
+ran the step; unseeded rows share one sampler-wide generator on the logits' device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+
+from pdserve.engine.batch import SampledToken, ScheduledSeq
+from pdserve.sampling_params import SamplingError, SamplingParams
+
+# Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
+GREEDY_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+# Best tokens examined for top-p before falling back to sorting the whole row (speed only).
+TOP_P_CANDIDATES = 512
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < GREEDY_TEMPERATURE or p.top_k == 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Generator seed for output token ``position`` (0-based) of a request seeded with ``seed``.
+
+    SplitMix64 finaliser (Steele et al. 2014) over seed and position: deterministic across
+    processes and platforms (no Python ``hash``); result in [0, 2^63).
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; see the module docstring for the pipeline.
+
+    ``vocab_size``: number of real token ids; extra logit columns (a padded embedding) are
+    ignored. ``eos_token_ids``: masked while ``min_tokens`` is not reached. ``seed``: seed of the
+    generator shared by unseeded rows (None = random per sampler).
+    """
+
+    def __init__(
+        self, vocab_size: int, eos_token_ids: Sequence[int] = (), seed: int | None = None
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        bad = [i for i in eos_token_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"eos_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def check(self, params: SamplingParams) -> None:
+        """Reject params that only make sense against this vocabulary. Raises SamplingError."""
+        bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise SamplingError(
+                "stop_token_ids", f"'stop_token_ids' {bad} outside [0, {self.vocab_size})"
+            )
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
+        """One token per row. ``logits``: [len(seqs), >= vocab_size], any float dtype/device.
+
+        Raises ValueError when the shapes disagree or a sequence holds a token id outside the
+        vocabulary.
+        """
+        n = len(seqs)
+        if n == 0:
+            self._check_shape(logits, 0)
+            return []
+        logits = self._check_shape(logits, n)
+        params = [s.sampling for s in seqs]
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        x = self._processed(logits, seqs)
+        greedy = [_is_greedy(p) for p in params]
+        if all(greedy):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=x.device)
+            g_rows = [i for i in range(n) if greedy[i]]
+            s_rows = [i for i in range(n) if not greedy[i]]
+            if g_rows:
+                tokens[g_rows] = x[g_rows].argmax(dim=-1)
+            s_seqs = [seqs[i] for i in s_rows]
+            probs = self._truncated_probs(x[s_rows], [p.sampling for p in s_seqs])
+            noise = self._noise(s_seqs, probs.shape[1], probs.device)  # [rows, vocab], Exp(1)
+            tokens[s_rows] = (probs / noise).argmax(dim=-1)
+
+        return self._results(tokens, raw_logprobs, lp_rows, params)
+
+    def processed_logits(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32.
+
+        Raises ValueError as ``__call__``.
+        """
+        return self._processed(self._check_shape(logits, len(seqs)), seqs)
+
+    def distribution(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """The probabilities each row's token is drawn from: [n, vocab] fp32, rows sum to 1.
+
+        Greedy rows are one-hot at the argmax. Raises ValueError as ``__call__``.
+        """
+        x = self.processed_logits(logits, seqs)
+        out = torch.zeros_like(x)
+        for i, s in enumerate(seqs):
+            if _is_greedy(s.sampling):
+                out[i, x[i].argmax()] = 1.0
+            else:
+                out[i] = self._truncated_probs(x[i : i + 1], [s.sampling])[0]
+        return out
+
+    def _check_shape(self, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """``logits`` [n, >= vocab] -> float32 [n, vocab] (padding columns dropped)."""
+        if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not fit {n} sequences x vocab "
+                f"{self.vocab_size}"
+            )
+        return logits[:, : self.vocab_size].float()
+
+    def _processed(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
+        self._apply_penalties(x, seqs)
+        self._apply_min_tokens(x, seqs)
+        return x
+
+    # -- penalties ---------------------------------------------------------------------------
+
+    def _token_index(
+        self,
+        rows: list[int],
+        id_lists: Sequence[Sequence[int]],
+        seqs: Sequence[ScheduledSeq],
+        dev: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token id) pairs, flattened, for ``id_lists[j]`` belonging to row ``j``."""
+        lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
+        row_idx = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        tok_idx = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.long)
+        if tok_idx.numel() and (tok_idx.min() < 0 or tok_idx.max() >= self.vocab_size):
+            for j, ids in enumerate(id_lists):
+                if any(not 0 <= t < self.vocab_size for t in ids):
+                    raise ValueError(
+                        f"request {seqs[rows[j]].request_id}: token id outside the vocabulary "
+                        f"[0, {self.vocab_size}) in its prompt/output"
+                    )
+        return row_idx.to(dev), tok_idx.to(dev)
+
+    def _apply_penalties(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+        """In place on ``x`` [n, vocab]: repetition, then frequency and presence penalties.
+
+        Works on the (row, token) pairs that occurred only, never on dense [n, vocab] masks.
+        NOTE: ``x[r, t] = f(x[r, t])`` with repeated pairs writes the same value several times, so
+        it applies ``f`` once per distinct token (set semantics); ``index_put_(accumulate=True)``
+        applies once per occurrence (count semantics).
+        """
+        dev = x.device
+        rep = [i for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
+        if rep:
+            ids = [list(chain(seqs[i].prompt_token_ids, seqs[i].output_token_ids)) for i in rep]
+            r, t = self._token_index(rep, ids, seqs, dev)
+            pen = torch.tensor([seqs[i].sampling.repetition_penalty for i in rep], device=dev)
+            rows = torch.tensor(rep, device=dev)[r]
+            vals = x[rows, t]
+            x[rows, t] = torch.where(vals > 0, vals / pen[r], vals * pen[r])
+        fp = [
+            i
+            for i, s in enumerate(seqs)
+            if s.sampling.frequency_penalty != 0 or s.sampling.presence_penalty != 0
+        ]
+        if fp:
+            r, t = self._token_index(fp, [seqs[i].output_token_ids for i in fp], seqs, dev)
+            freq = torch.tensor([seqs[i].sampling.frequency_penalty for i in fp], device=dev)
+            pres = torch.tensor([seqs[i].sampling.presence_penalty for i in fp], device=dev)
+            rows = torch.tensor(fp, device=dev)[r]
+            x.index_put_((rows, t), -freq[r], accumulate=True)  # count * frequency_penalty
+            x[rows, t] = x[rows, t] - pres[r]  # presence_penalty once per distinct token
+
+    def _apply_min_tokens(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+        """In place: mask EOS and stop_token_ids of rows still short of ``min_tokens``."""
+        for i, s in enumerate(seqs):
+            if len(s.output_token_ids) < s.sampling.min_tokens:
+                ids = sorted(set(self.eos_token_ids) | set(s.sampling.stop_token_ids))
+                if any(not 0 <= t < self.vocab_size for t in ids):
+                    raise ValueError(
+                        f"request {s.request_id}: stop_token_ids outside [0, {self.vocab_size})"
+                    )
+                if ids:
+                    x[i, ids] = float("-inf")
+
+    # -- random sampling ---------------------------------------------------------------------
+
+    def _truncated_probs(self, x: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
+        """Probabilities [rows, vocab] after temperature, top-k, top-p and min-p.
+
+        ``x``: processed logits [rows, vocab] of non-greedy rows; ``ps``: their params.
+        """
+        dev = x.device
+        temp = torch.tensor([p.temperature for p in ps], device=dev).unsqueeze(1)
+        x = x / temp
+
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in ps]
+        if any(top_k):
+            # NOTE: ties with the k-th logit are kept (as transformers' top-k does).
+            k_max = max(top_k)
+            k = torch.tensor([kk if kk else k_max for kk in top_k], device=dev).unsqueeze(1)
+            kth = x.topk(k_max, dim=-1).values.gather(1, k - 1)  # [rows, 1]
+            no_k = torch.tensor([kk == 0 for kk in top_k], device=dev).unsqueeze(1)
+            x = x.masked_fill((x < kth) & ~no_k, float("-inf"))
+
+        if any(p.top_p < 1.0 for p in ps):
+            x = self._top_p(x, [p.top_p for p in ps])
+
+        if any(p.min_p > 0 for p in ps):
+            # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p): no softmax needed
+            log_min_p = torch.tensor([p.min_p for p in ps], device=dev).log().unsqueeze(1)
+            floor = x.max(dim=-1, keepdim=True).values + log_min_p  # -inf where min_p == 0
+            x = x.masked_fill(x < floor, float("-inf"))
+
+        return x.softmax(dim=-1)
+
+    def _top_p(self, x: torch.Tensor, top_ps: Sequence[float]) -> torch.Tensor:
+        """Nucleus truncation of logits ``x`` [rows, vocab]; a top_p of 1 leaves its row alone.
+
+        Instead of sorting whole rows (tens of ms for a batch of 50k-token rows on a CPU), take
+        the ``TOP_P_CANDIDATES`` best tokens; a row whose candidates already hold top_p of the
+        probability mass has its nucleus among them. Other rows fall back to a full sort.
+        """
+        dev = x.device
+        top_p = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=dev).unsqueeze(1)
+        k0 = min(TOP_P_CANDIDATES, x.shape[1])
+        vals, idx = x.topk(k0, dim=-1)  # [rows, k0], best first
+        probs = (vals - torch.logsumexp(x, dim=-1, keepdim=True)).exp()  # of the whole row
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass of strictly better tokens
+        drop[:, 0] = False  # the most likely token always stays
+        out = torch.full_like(x, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, -math.inf))
+        off = top_p.squeeze(1) > 1.0
+        out[off] = x[off]
+        uncovered = ((probs.sum(dim=-1) < top_p.squeeze(1)) & ~off).nonzero().flatten().tolist()
+        if uncovered:
+            sub = x[uncovered]
+            sorted_x, order = sub.sort(dim=-1, descending=True)
+            sp = sorted_x.softmax(dim=-1)
+            drop = sp.cumsum(dim=-1) - sp >= top_p[uncovered]
+            drop[:, 0] = False
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            out[uncovered] = torch.empty_like(sub).scatter_(1, order, sorted_x)
+        return out
+
+    def _noise(self, seqs: Sequence[ScheduledSeq], vocab: int, dev: torch.device) -> torch.Tensor:
+        """Exp(1) noise [rows, vocab] by inverse CDF, ``-log(1 - u)`` with ``u ~ U[0, 1)``.
+
+        (``Tensor.exponential_`` draws the same distribution but is ~5x slower on CPU.)
+        """
+        u = torch.empty(len(seqs), vocab, device=dev)
+        unseeded = [i for i, s in enumerate(seqs) if s.sampling.seed is None]
+        if unseeded:
+            gen = self._generators.get(dev)
+            if gen is None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(self._seed)
+                self._generators[dev] = gen
+            u[unseeded] = torch.rand(len(unseeded), vocab, generator=gen, device=dev)
+        for i, s in enumerate(seqs):
+            seed = s.sampling.seed
+            if seed is not None:
+                gen = torch.Generator()  # CPU, so the draw is the same on every device
+                gen.manual_seed(position_seed(seed, len(s.output_token_ids)))
+                u[i] = torch.rand(vocab, generator=gen).to(dev)
+        noise = u.neg_().log1p_().neg_()
+        # q == 0 would turn a masked (p == 0) token into 0/0 = NaN, which argmax would pick.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _results(
+        self,
+        tokens: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        lp_rows: list[int],
+        params: list[SamplingParams],
+    ) -> list[SampledToken]:
+        ids = tokens.tolist()
+        out = [SampledToken(token_id=t) for t in ids]
+        if raw_logprobs is None:
+            return out
+        k_max = max(params[i].top_logprobs for i in lp_rows)
+        chosen = raw_logprobs.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
+        top_vals_l: list[list[float]] = []
+        top_ids_l: list[list[int]] = []
+        if k_max:
+            top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(lp_rows):
+            k = params[i].top_logprobs
+            top = tuple(zip(top_ids_l[j][:k], top_vals_l[j][:k], strict=True)) if k else ()
+            out[i] = SampledToken(token_id=ids[i], logprob=chosen[j], top_logprobs=top)
+        return out
