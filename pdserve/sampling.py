@@ -65,6 +65,9 @@ class Sampler:
     ``vocab_size``: number of real token ids; extra logit columns (a padded embedding) are
     ignored. ``eos_token_ids``: masked while ``min_tokens`` is not reached. ``seed``: seed of the
     generator shared by unseeded rows (None = random per sampler).
+
+    NOTE: a request with ``n > 1`` is several sequences to the sampler; if they share one seed
+    they draw the same tokens, so the engine should give each its own (e.g. seed + index).
     """
 
     def __init__(

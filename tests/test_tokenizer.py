@@ -259,6 +259,21 @@ def test_malformed_messages(tiny: Tokenizer, messages: object, match: str) -> No
         tiny.render_chat(messages)  # type: ignore[arg-type]
 
 
+def test_chat_template_from_hf_dir(tmp_path: Path, sp_dir: Path) -> None:
+    d = tmp_path / "with_template"
+    d.mkdir()
+    for f in sp_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = load_tokenizer(str(d))
+    assert tok.has_chat_template
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.render_chat(msgs) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
 def test_template_exception_is_wrapped(tmp_path: Path) -> None:
     template = "{{ raise_exception('roles must alternate') }}"
     tok = load_tokenizer(str(_write_tiny_gguf(tmp_path / "t.gguf", template)), use_disk_cache=False)
