@@ -1,15 +1,27 @@
 """GGUF files (llama.cpp format): model config from metadata, and dequantised weights by HF name.
 
-Metadata keys follow the GGUF spec (``{arch}.block_count``, ``{arch}.embedding_length``, ...,
-``tokenizer.ggml.eos_token_id``). Tensors of any quantisation type are dequantised to float32 with
-``gguf.quants.dequantize`` and renamed to Hugging Face names through the ``gguf`` package's own
-tensor-name map. llama.cpp's converter reorders the rows of Llama Q/K projections from the
-"rotate half" RoPE layout to its interleaved layout; :func:`unpermute_qk` restores the HF order.
+The header is scanned directly (GGUF spec v2/v3, little-endian): magic ``b"GGUF"``, uint32
+version, uint64 tensor count, uint64 key/value count; each key/value is a string key, a uint32
+value type and the value (arrays: uint32 element type + uint64 count + elements; strings: uint64
+length + bytes); then per tensor: name, uint32 n_dims, n_dims uint64 sizes (innermost first),
+uint32 ggml type, uint64 data offset; tensor data starts at the next multiple of
+``general.alignment`` (default 32). Arrays are skipped, only their lengths kept, so a header with
+a 49k-token vocabulary scans in tens of milliseconds (``gguf.GGUFReader`` builds numpy views of
+every element and takes seconds).
+
+Tensors are memory-mapped and dequantised to float32 with ``gguf.quants.dequantize`` (every ggml
+type the ``gguf`` package knows, e.g. Q4_1, Q8_0, K-quants), then renamed to Hugging Face names
+through the ``gguf`` package's tensor-name map. llama.cpp's converter reorders the rows of Llama
+Q/K projections from the "rotate half" RoPE layout to its interleaved layout;
+:func:`unpermute_qk` restores the HF order.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,123 +38,246 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency divisors stored as a tensor
+# GGUF value type id -> struct format of a fixed-size value (GGUF spec, "gguf_type")
+_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+          11: "<q", 12: "<d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Memory-map a GGUF file (no tensor data is read). Raises ConfigError if unreadable."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"GGUF weight file not found: {p}")
-    try:
-        return gguf.GGUFReader(p)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{p} is not a readable GGUF file: {e}") from None
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file. ``shape``: ggml order (innermost first); ``offset``: bytes from
+    the start of the tensor data section."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape)) // block * type_size
 
 
-def _get(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+class _Scanner:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.off = buf, 0
 
+    def fixed(self, fmt: str) -> Any:
+        (v,) = struct.unpack_from(fmt, self.buf, self.off)
+        self.off += struct.calcsize(fmt)
+        return v
 
-def _arch(reader: gguf.GGUFReader, path: str | Path) -> str:
-    arch = _get(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(
-            f"GGUF architecture {arch!r} in {Path(path).name} is not supported; supported: "
-            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
-        )
-    return str(arch)
+    def string(self) -> str:
+        n = self.fixed("<Q")
+        if self.off + n > len(self.buf):
+            raise IndexError(f"string of {n} bytes runs past the end of the file")
+        s = self.buf[self.off : self.off + n].decode("utf-8")
+        self.off += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        fmt = _FIXED.get(vtype)
+        if fmt is None:
+            raise struct.error(f"unknown GGUF value type {vtype}")
+        return self.fixed(fmt)
+
+    def skip_array(self) -> int:
+        """Skip an array value; returns its element count."""
+        etype, count = self.fixed("<I"), self.fixed("<Q")
+        if etype in (_STRING, _ARRAY):
+            for _ in range(count):
+                if etype == _STRING:
+                    self.off += 8 + self.fixed("<Q")
+                else:
+                    self.skip_array()
+        else:
+            fmt = _FIXED.get(etype)
+            if fmt is None:
+                raise struct.error(f"unknown GGUF array element type {etype}")
+            self.off += count * struct.calcsize(fmt)
+        return count
 
 
 class GGUFCheckpoint:
-    """One opened GGUF file (parsing its metadata takes seconds, so open it once).
+    """One GGUF file: its scalar metadata, array lengths and tensor table, scanned once.
 
-    Raises ConfigError when the file is missing, unreadable, or of an unsupported architecture.
+    Raises ConfigError when the file is missing, not GGUF v2/v3, truncated, or of an unsupported
+    architecture (one line naming it and the supported list).
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
-        self.arch = _arch(self.reader, self.path)
+        if not self.path.is_file():
+            raise ConfigError(f"GGUF weight file not found: {self.path}")
+        self.metadata: dict[str, Any] = {}
+        self.array_lengths: dict[str, int] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as b:
+                self._scan(_Scanner(b))
+        except (OSError, ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{self.path} is not a readable GGUF file: {e}") from None
+        arch = self.metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ConfigError(
+                f"GGUF architecture {arch!r} in {self.path.name} is not supported; supported: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        self.arch: str = arch
+
+    def _scan(self, s: _Scanner) -> None:
+        if s.buf[:4] != b"GGUF":
+            raise ConfigError(f"{self.path} is not a GGUF file (bad magic {bytes(s.buf[:4])!r})")
+        s.off = 4
+        version = s.fixed("<I")
+        if version not in (2, 3):
+            raise ConfigError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = s.fixed("<Q"), s.fixed("<Q")
+        for _ in range(n_kv):
+            key = s.string()
+            vtype = s.fixed("<I")
+            if vtype == _ARRAY:
+                self.array_lengths[key] = s.skip_array()
+            else:
+                self.metadata[key] = s.value(vtype)
+        for _ in range(n_tensors):
+            name = s.string()
+            shape = tuple(s.fixed("<Q") for _ in range(s.fixed("<I")))
+            qtype = gguf.GGMLQuantizationType(s.fixed("<I"))
+            self.tensors[name] = TensorInfo(name, shape, qtype, s.fixed("<Q"))
+        align = int(self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        self.data_offset = -(-s.off // align) * align
+        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=0)
+        if self.data_offset + end > len(s.buf):
+            raise ConfigError(f"{self.path}: tensor data is truncated")
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def _req(self, key: str) -> Any:
+        v = self._get(key)
+        if v is None:
+            raise ConfigError(f"GGUF {self.path.name} is missing metadata key '{self.arch}.{key}'")
+        return v
 
     def model_config(self, model_id: str = "unknown") -> ModelConfig:
-        """ModelConfig from metadata only (see :func:`gguf_model_config`)."""
-        return _model_config(self.reader, self.arch, self.path, model_id)
+        """ModelConfig from metadata only. ``eos_token_ids`` from ``tokenizer.ggml.eos_token_id``;
+        tied embeddings when there is no ``output.weight``. Raises ConfigError for a missing
+        required key (named) or an unsupported rope scaling type."""
+        heads = int(self._req("attention.head_count"))
+        hidden = int(self._req("embedding_length"))
+        vocab = self._get("vocab_size", self.array_lengths.get("tokenizer.ggml.tokens"))
+        if vocab is None:
+            raise ConfigError(
+                f"GGUF {self.path.name} has neither '{self.arch}.vocab_size' nor a vocabulary"
+            )
+        scaling = None
+        stype = self._get("rope.scaling.type")
+        if stype not in (None, "none"):
+            if stype != "linear":
+                raise ConfigError(
+                    f"GGUF rope scaling type {stype!r} is not supported (linear only)"
+                )
+            scaling = RopeScaling(
+                rope_type="linear", factor=float(self._req("rope.scaling.factor"))
+            )
+        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        bos = self.metadata.get("tokenizer.ggml.bos_token_id")
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[self.arch][0],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._req("feed_forward_length")),
+            num_hidden_layers=int(self._req("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self._get("attention.head_count_kv", heads)),
+            head_dim=int(self._get("attention.key_length", hidden // heads)),
+            max_position_embeddings=int(self._get("context_length", 2048)),
+            rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self._get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
+            model_id=model_id,
+        )
+
+    def tensor(self, name: str, data: np.ndarray | None = None) -> torch.Tensor:
+        """Tensor ``name`` dequantised (float32; F16 stays float16) in HF (row-major) shape.
+        ``data``: the file mapped as uint8 (mapped here when None). Raises KeyError."""
+        info = self.tensors[name]
+        if data is None:
+            data = _map(self.path)
+        start = self.data_offset + info.offset
+        raw = data[start : start + info.nbytes]
+        shape = tuple(reversed(info.shape))  # numpy order: outermost first
+        if info.qtype == gguf.GGMLQuantizationType.F32:
+            arr = raw.view(np.float32).reshape(shape)
+        elif info.qtype == gguf.GGMLQuantizationType.F16:
+            arr = raw.view(np.float16).reshape(shape)
+        else:
+            rows = int(np.prod(shape[:-1]))
+            arr = gguf.quants.dequantize(raw.reshape(rows, -1), info.qtype).reshape(shape)
+        return torch.from_numpy(np.array(arr))  # copy: detach from the mapping
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs (see :func:`_weights`)."""
-        return _weights(self.reader, self.arch, cfg)
+        """Yield (HF name, tensor) for every tensor, dequantised, Q/K rows in HF order.
+
+        ``rope_freqs.weight`` is not yielded (see :meth:`rope_freq_factors`). Raises ConfigError
+        for a tensor with no HF counterpart.
+        """
+        permuted = GGUF_ARCHITECTURES[self.arch][1]
+        tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.arch.upper()], cfg.num_hidden_layers)
+        to_hf: dict[str, str] = {}
+        for hf in _hf_names(cfg):
+            g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+            if g is not None:
+                to_hf[g] = hf
+        data = _map(self.path)
+        for name in self.tensors:
+            if name == _ROPE_FREQS:
+                continue
+            hf_name = to_hf.get(name)
+            if hf_name is None:
+                raise ConfigError(f"GGUF tensor {name!r} has no counterpart in {cfg.architecture}")
+            w = self.tensor(name, data)
+            if permuted and ".q_proj." in hf_name:
+                w = unpermute_qk(w, cfg.num_attention_heads)
+            elif permuted and ".k_proj." in hf_name:
+                w = unpermute_qk(w, cfg.num_key_value_heads)
+            yield hf_name, w
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """float32 [head_dim // 2] divisors of the RoPE inverse frequencies (llama.cpp stores
         Llama 3.1-style rope scaling this way), or None when the file has none."""
-        for t in self.reader.tensors:
-            if t.name == _ROPE_FREQS:
-                return _to_torch(t).float().reshape(-1)
-        return None
+        if _ROPE_FREQS not in self.tensors:
+            return None
+        return self.tensor(_ROPE_FREQS).float().reshape(-1)
+
+
+def _map(path: Path) -> np.ndarray:
+    """The file as a read-only uint8 array (a plain ndarray view: np.memmap's per-slice
+    bookkeeping would dominate dequantisation time)."""
+    return np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
 
 
 def gguf_model_config(path: str | Path, model_id: str = "unknown") -> ModelConfig:
-    """ModelConfig from GGUF metadata only. Raises ConfigError for a missing file, an unsupported
-    architecture or rope scaling type, or a missing required key (named)."""
+    """ModelConfig from a GGUF file's metadata (see ``GGUFCheckpoint.model_config``)."""
     return GGUFCheckpoint(path).model_config(model_id)
-
-
-def _model_config(reader: gguf.GGUFReader, arch: str, path: Path, model_id: str) -> ModelConfig:
-    hf_arch = GGUF_ARCHITECTURES[arch][0]
-
-    def req(key: str) -> Any:
-        v = _get(reader, f"{arch}.{key}")
-        if v is None:
-            raise ConfigError(f"GGUF {Path(path).name} is missing metadata key '{arch}.{key}'")
-        return v
-
-    names = {t.name for t in reader.tensors}
-    heads = int(req("attention.head_count"))
-    hidden = int(req("embedding_length"))
-    vocab = _get(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
-    if vocab is None:
-        raise ConfigError(
-            f"GGUF {Path(path).name} has neither '{arch}.vocab_size' nor a vocabulary"
-        )
-    scaling = None
-    stype = _get(reader, f"{arch}.rope.scaling.type")
-    if stype not in (None, "none"):
-        if stype != "linear":
-            raise ConfigError(f"GGUF rope scaling type {stype!r} is not supported (linear only)")
-        scaling = RopeScaling(rope_type="linear", factor=float(req("rope.scaling.factor")))
-    eos = _get(reader, "tokenizer.ggml.eos_token_id")
-    bos = _get(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=hf_arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")),
-        num_hidden_layers=int(req("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_get(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_get(reader, f"{arch}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_get(reader, f"{arch}.context_length", 2048)),
-        rms_norm_eps=float(_get(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_get(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-        model_id=model_id,
-    )
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order. w [n_heads * head_dim, ...]: within each head the
     converter interleaved the two rotary halves (rows ``0, d/2, 1, d/2+1, ...``); put them back as
     first half then second half."""
-    rows = w.shape[0]
-    half = rows // n_heads // 2
+    half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -156,42 +291,3 @@ def _hf_names(cfg: ModelConfig) -> list[str]:
             names.append(f"{p}mlp.{sub}.weight")
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     return names
-
-
-def _to_torch(t: Any) -> torch.Tensor:
-    """A GGUF ReaderTensor -> float32/float16 torch tensor in HF (numpy) shape order."""
-    shape = tuple(int(d) for d in reversed(t.shape))
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        arr = np.array(t.data)
-    else:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    return torch.from_numpy(arr.reshape(shape))
-
-
-def _weights(
-    reader: gguf.GGUFReader, arch: str, cfg: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) for every GGUF tensor, dequantised, Q/K rows in HF order.
-
-    ``rope_freqs.weight`` is not yielded (see ``GGUFCheckpoint.rope_freq_factors``). Raises
-    ConfigError for a tensor with no HF counterpart.
-    """
-    permuted = GGUF_ARCHITECTURES[arch][1]
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
-    to_hf: dict[str, str] = {}
-    for hf in _hf_names(cfg):
-        g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if g is not None:
-            to_hf[g] = hf
-    for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
-            continue
-        hf_name = to_hf.get(t.name)
-        if hf_name is None:
-            raise ConfigError(f"GGUF tensor {t.name!r} has no counterpart in {cfg.architecture}")
-        w = _to_torch(t)
-        if permuted and ".q_proj." in hf_name:
-            w = unpermute_qk(w, cfg.num_attention_heads)
-        elif permuted and ".k_proj." in hf_name:
-            w = unpermute_qk(w, cfg.num_key_value_heads)
-        yield hf_name, w
