@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve import metrics
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.worker_info import WorkerInfo
 from router.policy import DecodeLoad, PrefillLoad
@@ -89,6 +90,7 @@ class WorkerPool:
         if state is None:
             return False
         self._retired.append(state.client)
+        metrics.forget_worker(worker_id, state.info.role)
         log.info("worker %s removed", worker_id)
         self._notify()
         return True
@@ -171,7 +173,9 @@ class WorkerPool:
                 if not isinstance(r, grpc.aio.AioRpcError):
                     log.error("GetStats on %s raised %r", w.worker_id, r)
                 self.report_failure(w.worker_id)
+                metrics.set_worker_load(w.worker_id, w.info.role, up=False)
                 continue
+            _publish(w.worker_id, r)
             w.stats = r
             w.stats_at = time.monotonic()
             w.failures = 0
@@ -209,3 +213,27 @@ class WorkerPool:
             await client.close()
         self._retired.clear()
         self._workers.clear()
+
+
+def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:
+    """Copy a worker's polled stats into the Prometheus gauges."""
+    if isinstance(s, pb.DecodeStats):
+        used = s.kv_blocks_total - s.kv_blocks_free
+        metrics.set_worker_load(
+            worker_id,
+            "decode",
+            up=True,
+            kv_usage=used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+            running=s.num_running,
+            waiting=s.num_waiting + s.num_waiting_for_kv,
+        )
+    else:
+        metrics.set_worker_load(
+            worker_id,
+            "prefill",
+            up=True,
+            kv_usage=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            prefix_hit_rate=s.prefix_cache_hit_rate,
+        )

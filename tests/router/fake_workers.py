@@ -249,9 +249,13 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
             ok = self.transfer_outcome == "ok"
             if ok:
                 ok = self.hub.deliver(request.target.kv_endpoint, request.target.transfer_id, tok)
+            first = pb.TokenLogprob(token_id=tok, logprob=-0.25)
+            if request.sampling.top_logprobs:
+                first.top_token_ids.extend([tok, tok + 1])
+                first.top_logprobs.extend([-0.25, -2.0])
             return pb.PrefillResponse(
                 request_id=request.request_id,
-                token=pb.TokenLogprob(token_id=tok, logprob=-0.25),
+                token=first,
                 cached_tokens=len(prompt) // 16 * 16 // 2,
                 transfer=pb.TransferRecord(
                     transfer_id=request.target.transfer_id,

@@ -1,0 +1,234 @@
+"""OpenAI-compatible request and response models (pydantic), as in the OpenAI API reference.
+
+Requests are validated strictly (a string where a number belongs is a 400, never coerced); fields
+OpenAI defines but pdserve cannot honour (``tools``, ``logit_bias``, non-text content, ...) are
+refused with a 400 naming the field rather than silently ignored. Unknown fields are ignored, as
+vLLM does. Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``) are accepted with the same names and meanings.
+
+Responses are built as plain dicts by :mod:`router.http_gateway` (one per streamed token: no
+pydantic round trip on the hot path); their shapes are documented there.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from router.errors import BadRequest
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds one usage chunk (empty choices) before [DONE]."""
+
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """One content part of a chat message. Only ``type: "text"`` is supported."""
+
+    model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message. ``content`` is a string or a list of text parts."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The message text; raises BadRequest naming ``messages[index]`` for non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise BadRequest(
+                    f"messages[{index}].content[{j}] has type {part.type!r}; only 'text' parts are "
+                    "supported by this model",
+                    param=f"messages.{index}.content.{j}.type",
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class _Common(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise BadRequest("'logit_bias' is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest(
+                "'stream_options' is only allowed with 'stream': true", param="stream_options"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise BadRequest(
+                f"'max_tokens' must be >= 1, got {self.max_tokens}", param="max_tokens"
+            )
+        if self.n < 1:
+            raise BadRequest(f"'n' must be >= 1, got {self.n}", param="n")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise BadRequest("'stop_token_ids' must be >= 0", param="stop_token_ids")
+
+    def _stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for i, s in enumerate(stops):
+            if not s:
+                raise BadRequest(f"'stop'[{i}] must be a non-empty string", param="stop")
+        return tuple(stops)
+
+    def _sampling(
+        self, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    ) -> SamplingParams:
+        """Build SamplingParams; SamplingError (a ValueError naming ``field``) on a bad range."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self._stops(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=self.n,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions body."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Sampling settings. Raises BadRequest / SamplingError naming the field."""
+        self._check_common()
+        if self.tools:
+            raise BadRequest("'tools' (function calling) is not supported", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise BadRequest("'tool_choice' is not supported", param="tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise BadRequest(
+                "only 'response_format': {'type': 'text'} is supported", param="response_format"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                param="top_logprobs",
+            )
+        max_tokens = self.max_completion_tokens
+        param = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = self.max_tokens, "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"'{param}' must be >= 1, got {max_tokens}", param=param)
+        return self._sampling(max_tokens, self.logprobs, top)
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as plain {'role', 'content'} dicts for the chat template."""
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions body. ``logprobs`` is the number of top alternatives (0..20)."""
+
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Sampling settings. Raises BadRequest / SamplingError naming the field."""
+        self._check_common()
+        if self.suffix:
+            raise BadRequest("'suffix' is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest("'best_of' other than 'n' is not supported", param="best_of")
+        top = self.logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="logprobs"
+            )
+        if self.echo and top is not None:
+            raise BadRequest(
+                "'echo' with 'logprobs' needs prompt logprobs, which pdserve does not compute",
+                param="echo",
+            )
+        return self._sampling(self.max_tokens, top is not None, top or 0)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as texts or token-id lists. Raises BadRequest for an empty prompt list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequest("'prompt' must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        out: list[str | list[int]] = []
+        for item in p:
+            if isinstance(item, list) and not item:
+                raise BadRequest("'prompt' holds an empty token list", param="prompt")
+            out.append(item)  # type: ignore[arg-type]
+        return out

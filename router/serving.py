@@ -1,0 +1,319 @@
+"""The router core both gateways call: validate, admit, fan out ``n`` sequences, produce text.
+
+``Router.submit`` checks a tokenized request (token ids in the vocabulary, ``n``, the context
+length: :func:`router.admission.resolve_max_tokens`), takes a place in the admission queue
+(:class:`router.admission.AdmissionController`) and returns a :class:`RequestStream`. Iterating the
+stream runs one :class:`router.lifecycle.RequestLifecycle` per sequence in its own task and yields
+:class:`ChoiceDelta` items, one per output token, in arrival order across sequences, then one
+final item per sequence carrying its ``finish_reason``.
+
+Text is produced here, not on workers: an :class:`~pdserve.tokenizer.IncrementalDetokenizer` per
+sequence turns ids into text pieces and a :class:`~pdserve.tokenizer.StopMatcher` applies stop
+strings; a hit ends the sequence with ``finish_reason="stop"`` and closes its lifecycle, which
+sends Abort to the workers. As in vLLM, the text of the token that ended a sequence by EOS or a
+stop token id is not included in the output.
+
+Seeds: with ``n`` > 1 and a seed, sequence *i* samples with ``seed + i`` so the sequences differ
+yet the request stays reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve import metrics
+from pdserve.engine.batch import SampledToken
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from router.admission import AdmissionController, Ticket, resolve_max_tokens
+from router.errors import BadRequest, RouterError, WorkerFailure
+from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
+from router.policy import PrefillPolicy
+from router.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+_SEED_MODULUS = 2**63
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What the router enforces. Token counts in tokens, times in seconds.
+
+    ``max_model_len``: prompt + output limit. ``max_n``: sequences per request.
+    ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
+    """
+
+    model_name: str
+    max_model_len: int
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262144
+    request_timeout_s: float = 600.0
+    max_n: int = 16
+    lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of sequence ``index``: ``text`` (may be "") behind ``tokens``.
+
+    The last item of a sequence has ``finish_reason`` "stop" | "length" and usually no tokens.
+    """
+
+    index: int
+    text: str
+    tokens: tuple[SampledToken, ...] = ()
+    finish_reason: str | None = None
+
+
+class RequestStream:
+    """The running output of one request. Iterate it; ``aclose()`` (or ``close_nowait()``) ends it.
+
+    Closing before every sequence finished aborts the rest (counted as a client disconnect).
+    ``completion_tokens`` and ``cached_tokens`` are final once iteration ends.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        ticket: Ticket,
+        arrival: float,
+    ) -> None:
+        self.router = router
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.n = sampling.n
+        self.created = int(time.time())
+        self.arrival = arrival
+        self.lifecycles: list[RequestLifecycle] = []
+        self._ticket = ticket
+        self._queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._finished = 0
+        self._first_tokens = 0
+        self._closed = False
+        metrics.REQUESTS_WAITING.inc()
+        metrics.REQUESTS_RUNNING.inc()
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(lc.output) for lc in self.lifecycles)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max((lc.cached_tokens for lc in self.lifecycles), default=0)
+
+    @property
+    def done(self) -> bool:
+        return self._finished >= self.n
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if not self._tasks and not self._closed:
+            self._start()
+        if self.done or self._closed:
+            self.close_nowait()
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close_nowait()
+            raise item
+        if item.finish_reason is not None:
+            self._finished += 1
+        return item
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(self.n):
+            lc = self.router._lifecycle(self, i)
+            self.lifecycles.append(lc)
+            self._tasks.append(loop.create_task(self._run(i, lc)))
+
+    def _first_token(self) -> None:
+        self._first_tokens += 1
+        if self._first_tokens == self.n:
+            self._release_ticket()
+
+    def _release_ticket(self) -> None:
+        if not self._ticket.released:
+            self._ticket.release()
+            metrics.REQUESTS_WAITING.dec()
+
+    def close_nowait(self) -> None:
+        """End the request now (idempotent, never awaits): cancel unfinished sequences."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_ticket()
+        metrics.REQUESTS_RUNNING.dec()
+        if not self.done and any(not t.done() for t in self._tasks):
+            metrics.CLIENT_DISCONNECTS.inc()
+        for task in self._tasks:
+            task.cancel()
+
+    async def aclose(self) -> None:
+        """``close_nowait()`` and wait for the sequence tasks to wind down."""
+        self.close_nowait()
+        if self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, index: int, lc: RequestLifecycle) -> None:
+        """One sequence: lifecycle tokens -> text pieces -> queue."""
+        tok = self.router.tokenizer
+        sampling = lc.sampling
+        detok = IncrementalDetokenizer(tok, self.prompt_token_ids, sampling.skip_special_tokens)
+        stops = StopMatcher(sampling.stop) if sampling.stop else None
+        stop_ids = set(sampling.stop_token_ids)
+        reason: str | None = None
+        last: float | None = None
+        gen = lc.run()
+        try:
+            async for t in gen:
+                now = time.monotonic()
+                if last is None:
+                    self._first_token()
+                    metrics.TTFT.observe(now - self.arrival)
+                else:
+                    metrics.ITL.observe(now - last)
+                last = now
+                text = "" if t.token_id in stop_ids else detok.add(t.token_id)
+                if stops is not None:
+                    text, stopped = stops.feed(text)
+                    if stopped:
+                        reason = "stop"
+                        self._queue.put_nowait(ChoiceDelta(index, text, (t,)))
+                        break
+                self._queue.put_nowait(ChoiceDelta(index, text, (t,)))
+            if reason is None:
+                reason = lc.finish_reason or "stop"
+                tail = detok.flush()
+                if stops is not None:
+                    tail, stopped = stops.feed(tail)
+                    tail += "" if stopped else stops.flush()
+            else:
+                tail = ""
+            await gen.aclose()  # a stop string hit: abort the workers
+            self._observe(lc, reason)
+            self._queue.put_nowait(ChoiceDelta(index, tail, (), reason))
+        except asyncio.CancelledError:
+            await gen.aclose()
+            metrics.REQUESTS_ABORTED.inc()
+            raise
+        except RouterError as e:
+            metrics.REQUESTS_ABORTED.inc()
+            self._queue.put_nowait(e)
+        except Exception as e:  # a router bug: report it as a 500, keep serving
+            log.exception("%s: sequence %d failed", self.request_id, index)
+            self._queue.put_nowait(WorkerFailure(f"internal error: {e!r}"))
+        finally:
+            if last is None:  # ended without a token: it no longer waits either
+                self._first_token()
+
+    def _observe(self, lc: RequestLifecycle, reason: str) -> None:
+        now = time.monotonic()
+        metrics.REQUESTS_FINISHED.labels(finish_reason=reason).inc()
+        metrics.E2E_LATENCY.observe(now - self.arrival)
+        metrics.GENERATION_TOKENS.inc(len(lc.output))
+        metrics.PROMPT_TOKENS.inc(len(self.prompt_token_ids))
+        metrics.CACHED_PROMPT_TOKENS.inc(lc.cached_tokens)
+        metrics.REQUESTS_PREEMPTED.inc(lc.num_preemptions)
+        metrics.REQUESTS_MIGRATED.inc(lc.num_migrations)
+        metrics.PREFILL_RETRIES.inc(lc.num_prefill_failures)
+        placed = lc.state_times.get(RequestState.PREFILLING)
+        if placed is not None:
+            metrics.QUEUE_TIME.observe(placed - self.arrival)
+        if lc.first_token_time is not None and len(lc.output) > 1:
+            metrics.TPOT.observe((now - lc.first_token_time) / (len(lc.output) - 1))
+        for rec in lc.transfers:
+            metrics.observe_transfer(rec.bytes, rec.ms, rec.outcome, rec.path)
+
+
+class Router:
+    """Validation, admission and sequence fan-out over a :class:`WorkerPool`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        pool: WorkerPool,
+        prefill_policy: PrefillPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.prefill_policy = prefill_policy or PrefillPolicy()
+        self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def submit(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> RequestStream:
+        """Validate and admit one prompt. Raises BadRequest / ContextLengthExceeded / Overloaded.
+
+        ``sampling.max_tokens`` None = the rest of the context. The returned stream must be
+        iterated to the end or closed.
+        """
+        arrival = time.monotonic()
+        ids = list(prompt_token_ids)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        if sampling.n > self.config.max_n:
+            raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
+        max_tokens = resolve_max_tokens(len(ids), sampling.max_tokens, self.max_model_len)
+        stop_ids = tuple(sampling.stop_token_ids)
+        if not sampling.ignore_eos:  # the router hides the text of EOS: make workers stop on it
+            stop_ids += tuple(t for t in self.tokenizer.eos_token_ids if t not in stop_ids)
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        try:
+            ticket = self.admission.admit(len(ids) * sampling.n)
+        except RouterError:
+            metrics.REQUESTS_REJECTED.inc()
+            raise
+        return RequestStream(self, request_id, ids, sampling, ticket, arrival)
+
+    def _lifecycle(self, stream: RequestStream, index: int) -> RequestLifecycle:
+        sampling = stream.sampling
+        if stream.n > 1 and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % _SEED_MODULUS)
+        rid = stream.request_id if stream.n == 1 else f"{stream.request_id}-{index}"
+        return RequestLifecycle(
+            rid,
+            stream.prompt_token_ids,
+            sampling,
+            self.pool,
+            self.config.lifecycle,
+            deadline=stream.arrival + self.config.request_timeout_s,
+            prefill_policy=self.prefill_policy,
+        )
