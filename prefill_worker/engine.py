@@ -122,6 +122,7 @@ class PrefillEngine:
         self._thread: threading.Thread | None = None
         self._counters = _Counters()
         self._started_at = time.monotonic()
+        self._owns_sender = False
 
     @classmethod
     def build(
@@ -130,10 +131,22 @@ class PrefillEngine:
         model_config: ModelConfig | None = None,
         sender: KVSender | None = None,
     ) -> PrefillEngine:
-        """Load the model per ``config.load`` (``model_config`` for dummy weights) and wrap it."""
+        """Load the model per ``config.load`` (``model_config`` for dummy weights) and wrap it.
+
+        Without ``sender``, builds one of ``config.transfer.backend`` for this pool's KV layout;
+        the engine then owns it and closes it in :meth:`shutdown`.
+        """
+        from kv_transfer import make_sender
+        from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
 
-        return cls(config, ModelRunner(config, model_config), sender)
+        runner = ModelRunner(config, model_config)
+        if sender is not None:
+            return cls(config, runner, sender)
+        layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
+        engine = cls(config, runner, make_sender(config.transfer, layout, device=runner.device))
+        engine._owns_sender = True
+        return engine
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: PrefillRequest) -> Future[PrefillResult]:
@@ -351,7 +364,8 @@ class PrefillEngine:
                 self._wake.wait(0.05)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop thread and fail every live request with UNAVAILABLE."""
+        """Stop the loop thread, fail every live request with UNAVAILABLE, and close the KV
+        sender when the engine built it."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -359,6 +373,9 @@ class PrefillEngine:
             self._thread = None
         for rid in list(self._pending):
             self._fail(rid, PrefillError(UNAVAILABLE, "prefill worker shutting down"))
+        if self._owns_sender and self.sender is not None:
+            self.sender.close()
+            self._owns_sender = False
 
     def run_until_idle(self, timeout: float = 60.0) -> None:
         """Step until no request is live (for tests and offline use, without ``start()``).

@@ -10,6 +10,7 @@ from pdserve.config import (
     LoadConfig,
     ModelConfig,
     SchedulerConfig,
+    TransferConfig,
 )
 from pdserve.engine.batch import SampledToken, ScheduledSeq
 from pdserve.engine.runner import ModelRunner
@@ -47,6 +48,7 @@ def tiny_config(
             max_model_len=2048,
             long_prefill_token_threshold=long_prefill_token_threshold,
         ),
+        transfer=TransferConfig(backend=backend, timeout_s=20.0),
     )
 
 

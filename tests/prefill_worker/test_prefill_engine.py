@@ -171,13 +171,21 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving() -> None:
         INVALID_ARGUMENT
     )
     assert code(_req("b", prompt(1100, seed=1))) == RESOURCE_EXHAUSTED  # 69 blocks > 64
-    assert code(_req("t", (1, 2), target=KVTarget(1, "127.0.0.1:1"))) == UNAVAILABLE
     assert code(_req("d", (1, 2), deadline=time.time() - 1)) == DEADLINE_EXCEEDED
     f = eng.add_request(_req("ok", (1, 2, 3)))
     assert code(_req("ok", (4, 5))) == ALREADY_EXISTS
     eng.run_until_idle()
     assert f.result(0).num_prompt_tokens == 3
     eng.check_integrity()
+
+
+def test_a_target_without_a_sender_is_unavailable() -> None:
+    eng = _engine()
+    bare = PrefillEngine(eng.config, eng.runner, sender=None)
+    with pytest.raises(PrefillError) as e:
+        bare.add_request(_req("t", (1, 2), target=KVTarget(1, "loopback:1")))
+    assert e.value.code == UNAVAILABLE and "no KV sender" in e.value.message
+    eng.shutdown()
 
 
 def test_deadline_expires_a_queued_request() -> None:
