@@ -1,0 +1,385 @@
+"""KV channels over ``torch.distributed`` pair groups: gloo for CPU tensors, NCCL for CUDA.
+
+Pairing (the decode worker's receiver hosts a ``TCPStore`` at its endpoint)::
+
+    sender                                         receiver (store master, accept thread)
+    n = add("pdkv/pairs", 1); pair = "pdkv/pair<n>/"
+    queue_push("pdkv/hello", {pair, layout, wire})  ──>  queue_pop: compare layouts and wire
+    wait(pair + "answer")                           <──  set(pair + "answer", {ok | error, idle})
+    PairGroup(rank 1) on PrefixStore(pair)          <─>  PairGroup(rank 0) in a channel thread
+
+then per transfer the messages of :mod:`kv_transfer.wire` on that group. A refused pairing
+(layout or wire backend mismatch) fails the sender's transfer with LayoutMismatchError and is
+logged and counted (``handshake_failures``, ``last_error``) on the receiver.
+
+Each channel thread waits for the next header for at most ``idle_timeout_s``, then closes the
+channel; senders rebuild channels idle for half that long before using them, so an idle close
+never costs a transfer. NOTE: after :meth:`TorchDistReceiver.close` a channel thread may stay
+blocked in its header wait until that idle timeout (gloo offers no way to wake it); it holds no
+port and exits on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed import QueueEmptyError, TCPStore
+
+from kv_transfer.base import (
+    ChannelClosedError,
+    KVLayout,
+    KVReceiver,
+    KVTransferError,
+    LayoutMismatchError,
+    StatsCounter,
+    TransferResult,
+    TransferStats,
+    TransferTimeoutError,
+    mismatch_message,
+)
+from kv_transfer.pair_group import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    TAG_ACK,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    PairGroup,
+    classify,
+    local_address_toward,
+    parse_endpoint,
+    wire_backend,
+)
+from kv_transfer.receiver_core import ReceiverCore
+from kv_transfer.sender_core import PeerChannel, QueuedSender, StaleChannelError
+from kv_transfer.wire import (
+    ACK_SLOTS,
+    HEADER_SLOTS,
+    Ack,
+    AckStatus,
+    Header,
+    MessageKind,
+    ProtocolError,
+)
+
+if TYPE_CHECKING:
+    from pdserve.kv_cache.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+HELLO_QUEUE = "pdkv/hello"
+PAIR_COUNTER = "pdkv/pairs"
+ACCEPT_POLL_S = 0.02  # how often the accept thread looks for new senders (adds to connect time)
+CLOSE_TIMEOUT_S = 2.0  # bound on the goodbye header of a graceful close
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeoutError("KV transfer deadline passed")
+    return left
+
+
+# ------------------------------------------------------------------------------------ sender
+class _Channel(PeerChannel):
+    """The sender's end of one pair group."""
+
+    def __init__(self, group: PairGroup, store: TCPStore, idle_limit_s: float) -> None:
+        self.group = group
+        self.store = store  # keeps the store connection open for the group's lifetime
+        self.idle_limit_s = idle_limit_s
+
+    def transfer(self, header: Header, payload: torch.Tensor, deadline: float) -> Ack:
+        dev = self.group.device
+        try:
+            self.group.send(header.to_tensor(dev), TAG_HEADER, _remaining(deadline))
+        except ChannelClosedError as e:
+            # The receiver only drops a channel while waiting for a header (idle or closing)
+            # or after it died: it did not take this transfer.
+            raise StaleChannelError(str(e)) from e
+        if header.payload_bytes:
+            self.group.send(payload, TAG_PAYLOAD, _remaining(deadline))
+        ack = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=dev)
+        self.group.recv(ack, TAG_ACK, _remaining(deadline))
+        return Ack.from_tensor(ack)
+
+    def ping(self, deadline: float) -> None:
+        dev = self.group.device
+        self.group.send(
+            Header(kind=MessageKind.PING).to_tensor(dev), TAG_HEADER, _remaining(deadline)
+        )
+        ack = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=dev)
+        self.group.recv(ack, TAG_ACK, _remaining(deadline))
+        Ack.from_tensor(ack)
+
+    def close(self, graceful: bool) -> None:
+        if graceful and not self.group.broken:
+            try:
+                bye = Header(kind=MessageKind.CLOSE).to_tensor(self.group.device)
+                self.group.send(bye, TAG_HEADER, CLOSE_TIMEOUT_S)
+            except KVTransferError:
+                pass
+        self.group.abort()
+
+
+class TorchDistSender(QueuedSender):
+    """Sends KV over one pair group per decode worker (see :class:`QueuedSender`).
+
+    ``device``: 'cpu' (gloo) or a CUDA device (NCCL); ``kv`` passed to ``send`` must live there.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        device: str | torch.device = "cpu",
+        timeout_s: float = 30.0,
+        checksum: bool = False,
+        ping_after_idle_s: float = 1.0,
+    ) -> None:
+        super().__init__(
+            layout,
+            device=device,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            ping_after_idle_s=ping_after_idle_s,
+        )
+        self.wire = wire_backend(self.device)
+        self._who = f"{socket.gethostname()}:{os.getpid()}"
+
+    def _connect(self, peer: str) -> PeerChannel:
+        host, port = parse_endpoint(peer)
+        timeout = timedelta(seconds=self.timeout_s)
+        try:
+            store = TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+            pair = f"pdkv/pair{store.add(PAIR_COUNTER, 1)}/"
+            hello = {
+                "pair": pair,
+                "layout": self.layout.to_dict(),
+                "wire": self.wire,
+                "sender": self._who,
+            }
+            store.queue_push(HELLO_QUEUE, json.dumps(hello))
+            store.wait([pair + "answer"], timeout)
+            answer = json.loads(store.get(pair + "answer"))
+        except RuntimeError as e:
+            raise classify(e, f"pairing with KV receiver {peer}") from e
+        if not answer.get("ok"):
+            raise LayoutMismatchError(f"KV receiver {peer} refused to pair: {answer.get('error')}")
+        group = PairGroup(
+            store, pair, SENDER_RANK, self.device, local_address_toward(host), self.timeout_s
+        )
+        return _Channel(group, store, float(answer["idle_timeout_s"]) / 2)
+
+
+# ---------------------------------------------------------------------------------- receiver
+class TorchDistReceiver(KVReceiver):
+    """Receives KV from any number of senders into ``pool`` (see the module docstring).
+
+    ``host``/``port``: where the TCPStore listens (port 0 = a free port; see :attr:`endpoint`).
+    ``timeout_s``: bound on pairing and on each payload receive / ack send.
+    ``idle_timeout_s``: a channel with no header for this long is closed (senders reconnect).
+    ``on_header``: fault injection for tests, called with each TRANSFER header before its payload
+    is received. Raises KVTransferError when the port cannot be bound, ValueError when ``layout``
+    does not describe ``pool``.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: KVLayout,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 30.0,
+        idle_timeout_s: float = 300.0,
+        on_header: Callable[[Header], None] | None = None,
+    ) -> None:
+        if not timeout_s > 0 or not idle_timeout_s > 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and idle_timeout_s must be > 0")
+        self.layout = layout
+        self.host = host
+        self.device = torch.device(pool.device)
+        self.wire = wire_backend(self.device)
+        self.timeout_s = float(timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self._on_header = on_header
+        self._stats = StatsCounter()
+        self._core = ReceiverCore(pool, layout, self._stats)
+        # Largest payload that can fit the pool: a header announcing more is a protocol error.
+        self._max_payload = pool.num_blocks * layout.block_size * layout.bytes_per_token
+        try:
+            self._store: TCPStore | None = TCPStore(
+                host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+            )
+        except RuntimeError as e:
+            raise KVTransferError(f"KV receiver cannot listen on {host}:{port}: {e}") from e
+        self._port = int(self._store.port)
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._groups: set[PairGroup] = set()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kv-accept-{self._port}", daemon=True
+        )
+        self._accept_thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """'host:port' senders connect to."""
+        return f"{self.host}:{self._port}"
+
+    def expect(
+        self, transfer_id: int, block_ids: Sequence[int], deadline: float
+    ) -> Future[TransferResult]:
+        """See :meth:`kv_transfer.base.KVReceiver.expect`."""
+        return self._core.expect(transfer_id, block_ids, deadline)
+
+    def cancel(self, transfer_id: int) -> bool:
+        """See :meth:`kv_transfer.base.KVReceiver.cancel`."""
+        return self._core.cancel(transfer_id)
+
+    def stats(self) -> TransferStats:
+        """Counters since start."""
+        return self._stats.snapshot()
+
+    def num_channels(self) -> int:
+        """Channels currently open."""
+        with self._lock:
+            return len(self._groups)
+
+    def close(self) -> None:
+        """Stop accepting, close every channel, fail pending reservations, free the port."""
+        self._closing.set()
+        self._accept_thread.join(timeout=5.0)
+        self._core.close()
+        with self._lock:
+            groups = list(self._groups)
+        for g in groups:
+            g.abort()
+        self._store = None  # the master store's server stops with its last reference
+
+    # ----------------------------------------------------------------------------- threads
+    def _accept_loop(self) -> None:
+        store = self._store
+        assert store is not None
+        while not self._closing.is_set():
+            try:
+                raw = store.queue_pop(HELLO_QUEUE, block=False)
+            except QueueEmptyError:
+                self._closing.wait(ACCEPT_POLL_S)
+                continue
+            except RuntimeError:
+                if self._closing.is_set():
+                    return
+                log.exception("KV receiver %s: reading the hello queue failed", self.endpoint)
+                self._closing.wait(ACCEPT_POLL_S)
+                continue
+            self._accept(store, raw)
+
+    def _accept(self, store: TCPStore, raw: bytes) -> None:
+        """Answer one sender's hello; start its channel thread if the layouts agree."""
+        try:
+            hello: dict[str, Any] = json.loads(raw)
+            pair = str(hello["pair"])
+            error = mismatch_message(KVLayout.from_dict(hello["layout"]), self.layout)
+            if error is None and hello["wire"] != self.wire:
+                error = (
+                    f"wire backend mismatch: sender={hello['wire']} receiver={self.wire} "
+                    f"(KV on {self.device.type} here)"
+                )
+        except (ValueError, KeyError, TypeError) as e:
+            self._stats.bump("handshake_failures", error=f"bad hello: {e}")
+            log.error("KV receiver %s: ignoring a bad hello (%s)", self.endpoint, e)
+            return
+        answer = {"ok": error is None, "error": error or "", "idle_timeout_s": self.idle_timeout_s}
+        try:
+            store.set(pair + "answer", json.dumps(answer))
+        except RuntimeError as e:
+            log.warning("KV receiver %s: cannot answer %s: %s", self.endpoint, pair, e)
+            return
+        if error is not None:
+            self._stats.bump("handshake_failures", error=error)
+            log.error("KV receiver %s refused %s: %s", self.endpoint, hello.get("sender"), error)
+            return
+        threading.Thread(
+            target=self._serve_channel,
+            args=(store.clone(), pair, str(hello.get("sender"))),
+            name=f"kv-recv-{pair}",
+            daemon=True,
+        ).start()
+
+    def _serve_channel(self, store: TCPStore, pair: str, who: str) -> None:
+        """Channel thread: build the group, then header -> payload -> scatter -> ack, forever."""
+        try:
+            group = PairGroup(store, pair, RECEIVER_RANK, self.device, self.host, self.timeout_s)
+        except KVTransferError as e:
+            self._stats.bump("channels_closed", error=str(e))
+            log.warning("KV receiver %s: channel from %s not built: %s", self.endpoint, who, e)
+            return
+        with self._lock:
+            if self._closing.is_set():
+                group.abort()
+                return
+            self._groups.add(group)
+        self._stats.bump("channels_opened")
+        try:
+            self._receive_loop(group)
+        except KVTransferError as e:
+            if not self._closing.is_set():
+                self._stats.bump("channels_closed", error=str(e))
+                log.warning("KV channel from %s closed: %s", who, e)
+            else:
+                self._stats.bump("channels_closed")
+        else:
+            self._stats.bump("channels_closed")
+        finally:
+            group.abort()
+            with self._lock:
+                self._groups.discard(group)
+
+    def _receive_loop(self, group: PairGroup) -> None:
+        """Serve transfers until the sender says goodbye (returns) or something fails (raises)."""
+        dev = self.device
+        hdr = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=dev)
+        staging = torch.empty(0, dtype=torch.uint8, device=dev)  # reused payload buffer
+        while True:
+            try:
+                group.recv(hdr, TAG_HEADER, self.idle_timeout_s)
+            except TransferTimeoutError:
+                log.info("KV channel idle for %.0f s: closing it", self.idle_timeout_s)
+                return
+            header = Header.from_tensor(hdr)
+            if header.kind is MessageKind.CLOSE:
+                return
+            if header.kind is MessageKind.PING:
+                group.send(Ack(0, AckStatus.OK).to_tensor(dev), TAG_ACK, self.timeout_s)
+                continue
+            if header.payload_bytes > self._max_payload:
+                raise ProtocolError(
+                    f"header announces {header.payload_bytes} bytes; this pool holds at most "
+                    f"{self._max_payload}"
+                )
+            if self._on_header is not None:
+                self._on_header(header)
+            incoming = self._core.begin(header)
+            payload = None
+            if header.payload_bytes:
+                if staging.numel() < header.payload_bytes:
+                    staging = torch.empty(header.payload_bytes, dtype=torch.uint8, device=dev)
+                payload = staging[: header.payload_bytes]
+                try:
+                    group.recv(payload, TAG_PAYLOAD, self.timeout_s)
+                except KVTransferError as e:
+                    self._core.abandon(incoming, e)
+                    raise
+            ack = self._core.finish(incoming, payload)
+            group.send(ack.to_tensor(dev), TAG_ACK, self.timeout_s)
