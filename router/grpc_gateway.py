@@ -1,0 +1,203 @@
+"""Public gRPC API (proto/pdserve/v1/generate.proto): ``Generation`` + grpc.health.v1 + reflection.
+
+``Generate`` streams one ``Chunk`` per output token (text may be "" while a stop string is
+pending; ``tokens`` carries the id and, when asked, log-probabilities), then ``Complete`` with the
+finish reason, usage and full text. Errors found before generation starts (bad input, unknown
+model, admission) end the call with a gRPC status: INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED (queue full), ...; a failure after chunks were sent is a final
+``GenerateError`` message (HTTP-like code). A cancelled call aborts the request on every worker.
+
+Wire defaults differ from the HTTP API where proto3 forces them: ``temperature`` 0 (greedy),
+``max_tokens`` 0 = the rest of the context, ``skip_special_tokens`` false.
+
+Health: the empty service name and ``pdserve.v1.Generation`` report SERVING while at least one
+decode worker is up, NOT_SERVING otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdserve import rpc
+from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.tokenizer import TokenizerError
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from router.errors import BadRequest, ModelNotFound, RouterError
+from router.serving import Router
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationService(gpb_grpc.GenerationServicer):
+    """``pdserve.v1.Generation`` over a Router."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        tok = self.router.tokenizer
+        if kind == "text":
+            return tok.encode(request.text)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            try:
+                return tok.apply_chat_template(messages)
+            except TokenizerError as e:
+                raise BadRequest(str(e), param="chat") from None
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        raise BadRequest("one of 'text', 'chat' or 'token_ids' must be set", param="input")
+
+    def _sampling(self, request: gpb.GenerateRequest) -> SamplingParams:
+        wire = wpb.SamplingParams()
+        wire.CopyFrom(request.sampling)
+        rest_of_context = wire.max_tokens == 0
+        if rest_of_context:
+            wire.max_tokens = 1  # placeholder so validation passes; replaced by None below
+        try:
+            params = rpc.sampling_from_proto(wire)
+            return dataclasses.replace(
+                params,
+                max_tokens=None if rest_of_context else params.max_tokens,
+                stop=tuple(request.stop),
+                skip_special_tokens=request.skip_special_tokens,
+            )
+        except SamplingError as e:
+            raise BadRequest(str(e), param=e.field) from None
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        try:
+            if request.model and request.model != self.router.model_name:
+                raise ModelNotFound(
+                    f"the model '{request.model}' does not exist; this server serves "
+                    f"'{self.router.model_name}'",
+                    param="model",
+                )
+            if any(not s for s in request.stop):
+                raise BadRequest("'stop' strings must be non-empty", param="stop")
+            stream = self.router.submit(rid, self._prompt(request), self._sampling(request))
+        except RouterError as e:
+            await context.abort(e.grpc_code, e.message)
+            return
+        text: list[str] = []
+        reason = "stop"
+        try:
+            async for d in stream:
+                text.append(d.text)
+                if d.finish_reason is not None:
+                    reason = d.finish_reason
+                    if not d.text:
+                        continue
+                yield gpb.GenerateResponse(
+                    request_id=rid,
+                    chunk=gpb.Chunk(text=d.text, tokens=[rpc.token_to_proto(t) for t in d.tokens]),
+                )
+            yield gpb.GenerateResponse(
+                request_id=rid,
+                complete=gpb.Complete(
+                    finish_reason=reason,
+                    text="".join(text),
+                    usage=gpb.Usage(
+                        prompt_tokens=len(stream.prompt_token_ids),
+                        completion_tokens=stream.completion_tokens,
+                        cached_tokens=stream.cached_tokens,
+                    ),
+                ),
+            )
+        except RouterError as e:
+            yield gpb.GenerateResponse(
+                request_id=rid, error=gpb.GenerateError(code=e.status, message=e.message)
+            )
+        finally:
+            stream.close_nowait()
+
+    async def ListModels(  # noqa: N802 - gRPC method name
+        self, request: gpb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gpb.ListModelsResponse:
+        return gpb.ListModelsResponse(
+            models=[
+                gpb.ModelInfo(id=self.router.model_name, max_model_len=self.router.max_model_len)
+            ]
+        )
+
+
+class GrpcGateway:
+    """The gRPC server: Generation, health and reflection on ``host:port``.
+
+    ``port`` 0 picks a free port (see ``port`` after ``start``).
+    """
+
+    def __init__(self, router: Router, host: str = "0.0.0.0", port: int = 50051) -> None:
+        self.router = router
+        self.host = host
+        self.port = port
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ]
+        )
+        self.health = health_aio.HealthServicer()
+        gpb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self.server,
+        )  # fmt: skip
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and serve. Raises RuntimeError when the port cannot be bound."""
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise RuntimeError(f"gRPC gateway cannot bind {self.host}:{self.port} (--grpc-port)")
+        self.port = bound
+        await self.server.start()
+        await self._update_health()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def _update_health(self) -> None:
+        up = bool(self.router.pool.workers("decode"))
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if up
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await self.router.pool.wait_changed(2.0)
+            try:
+                await self._update_health()
+            except Exception:  # noqa: BLE001 - keep watching
+                log.exception("health update failed")
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving; in-flight calls get ``grace_s`` seconds."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,130 @@
+"""Public gRPC API against fake workers: Generate, ListModels, health, reflection, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from fake_workers import EOS, FakeCluster, start_fake_cluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from router.grpc_gateway import SERVICE_NAME, GrpcGateway
+from router.serving import Router, RouterConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+ANSWER = " Paris."
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    tokenizer: Tokenizer, decode: dict | None = None, **cfg: object
+) -> AsyncIterator[tuple[FakeCluster, Router, grpc.aio.Channel]]:
+    script = tokenizer.encode(ANSWER, add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(
+        prefills=[{"script": script}], decodes=[{"script": script, **(decode or {})}]
+    )
+    router = Router(RouterConfig(model_name="smollm2", max_model_len=128, **cfg), tokenizer, c.pool)  # type: ignore[arg-type]
+    gw = GrpcGateway(router, host="127.0.0.1", port=0)
+    await gw.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+    try:
+        yield c, router, channel
+    finally:
+        await channel.close()
+        await gw.stop(0)
+        await c.close()
+
+
+async def test_generate_streams_chunks_then_complete(tokenizer: Tokenizer) -> None:
+    async with gateway(tokenizer) as (_c, _router, channel):
+        stub = gpb_grpc.GenerationStub(channel)
+        req = gpb.GenerateRequest(
+            chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="Capital?")]),
+            sampling=wpb.SamplingParams(max_tokens=0, logprobs=True),
+            request_id="my-id",
+        )
+        out = [r async for r in stub.Generate(req)]
+        assert all(r.request_id == "my-id" for r in out)
+        chunks = [r.chunk for r in out if r.WhichOneof("response") == "chunk"]
+        complete = out[-1].complete
+        assert complete.finish_reason == "stop"
+        assert "".join(c.text for c in chunks) == complete.text
+        # skip_special_tokens defaults to false on the wire, but the EOS text is never shown
+        assert complete.text == ANSWER
+        n_tokens = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
+        assert complete.usage.completion_tokens == n_tokens == sum(len(c.tokens) for c in chunks)
+        assert chunks[0].tokens[0].logprob != 0
+
+
+async def test_list_models_health_and_reflection(tokenizer: Tokenizer) -> None:
+    async with gateway(tokenizer) as (c, _router, channel):
+        models = await gpb_grpc.GenerationStub(channel).ListModels(gpb.ListModelsRequest())
+        assert [(m.id, m.max_model_len) for m in models.models] == [("smollm2", 128)]
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = refl.ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        resp = await call.read()
+        await call.done_writing()
+        names = {s.name for s in resp.list_services_response.service}
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+        c.pool.remove("decode-0")
+        await c.pool.wait_changed(0.1)
+        for _ in range(50):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await c.pool.wait_changed(0.05)
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_errors_map_to_status_codes(tokenizer: Tokenizer) -> None:
+    async with gateway(tokenizer, max_queued_requests=1) as (_c, _router, channel):
+        stub = gpb_grpc.GenerationStub(channel)
+        cases = [
+            (gpb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            (gpb.GenerateRequest(text="hi", model="other"), grpc.StatusCode.NOT_FOUND),
+            (
+                gpb.GenerateRequest(text="hi", sampling=wpb.SamplingParams(temperature=-1)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            (
+                gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=list(range(1, 200)))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ]
+        for req, code in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [r async for r in stub.Generate(req)]
+            assert e.value.code() == code, (req, e.value.details())
+        ok = [r async for r in stub.Generate(gpb.GenerateRequest(text="hi"))]
+        assert ok[-1].WhichOneof("response") == "complete"
+
+
+async def test_full_queue_is_resource_exhausted(tokenizer: Tokenizer) -> None:
+    async with gateway(tokenizer, {"accept_delay_s": 0.3}, max_queued_requests=1) as (
+        _c,
+        router,
+        channel,
+    ):
+        stub = gpb_grpc.GenerationStub(channel)
+        first = stub.Generate(gpb.GenerateRequest(text="hi"))
+        while router.admission.num_queued == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [r async for r in stub.Generate(gpb.GenerateRequest(text="hi"))]
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await first.read()).WhichOneof("response") == "chunk"
+        first.cancel()
