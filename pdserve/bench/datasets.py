@@ -67,13 +67,33 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.rng = rng
         self.rounds = rounds
+        self._usable_cache: dict[int, bool] = {}
 
     def count(self, text: str) -> int:
         """Tokens in ``text`` without special tokens."""
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _usable(self, token_id: int) -> bool:
+        """A token that decodes on its own to non-empty valid text (not special, not a byte
+        fragment of a multi-byte character), so any sequence of them decodes cleanly."""
+        ok = self._usable_cache.get(token_id)
+        if ok is None:
+            piece = self.tokenizer.decode([token_id], skip_special_tokens=True)
+            ok = bool(piece) and "\ufffd" not in piece
+            self._usable_cache[token_id] = ok
+        return ok
+
     def _ids(self, n: int) -> list[int]:
-        return [int(i) for i in self.rng.integers(0, self.tokenizer.vocab_size, size=n)]
+        """``n`` random usable token ids. Raises DatasetError if the vocabulary has almost none."""
+        out: list[int] = []
+        for _ in range(100):
+            if len(out) >= n:
+                break
+            draw = self.rng.integers(0, self.tokenizer.vocab_size, size=2 * (n - len(out)) + 8)
+            out.extend(int(i) for i in draw if self._usable(int(i)))
+        if len(out) < n:
+            raise DatasetError("the tokenizer decodes almost no token ids to valid text")
+        return out[:n]
 
     def text(self, num_tokens: int, prefix: str = "") -> tuple[str, int]:
         """Random text ``t`` so ``prefix + ' ' + t`` (or ``t`` alone) has the wanted tokens.

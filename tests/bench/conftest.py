@@ -28,25 +28,32 @@ class FakeServer:
         with urllib.request.urlopen(self.base_url + "/log", timeout=10) as resp:
             return json.load(resp)
 
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def start_fake_server(script: dict[str, Any], script_path: Path) -> FakeServer:
+    """Start a fake server process with ``script`` (case id -> behaviour; see fake_openai.py)."""
+    script_path.write_text(json.dumps(script))
+    proc = subprocess.Popen(
+        [sys.executable, str(FAKE_SERVER), str(script_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("PORT "), f"fake server did not start: {line!r}"
+    return FakeServer(f"http://127.0.0.1:{int(line.split()[1])}", proc)
+
 
 @pytest.fixture
 def fake_server(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], FakeServer]]:
-    """Factory: start a fake server with a script (case id -> behaviour); stopped at teardown."""
-    procs: list[subprocess.Popen] = []
+    """Factory: start a fake server with a script; every server is stopped at teardown."""
+    servers: list[FakeServer] = []
 
     def start(script: dict[str, Any]) -> FakeServer:
-        path = tmp_path / f"script{len(procs)}.json"
-        path.write_text(json.dumps(script))
-        proc = subprocess.Popen(
-            [sys.executable, str(FAKE_SERVER), str(path)], stdout=subprocess.PIPE, text=True
-        )
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), f"fake server did not start: {line!r}"
-        return FakeServer(f"http://127.0.0.1:{int(line.split()[1])}", proc)
+        servers.append(start_fake_server(script, tmp_path / f"script{len(servers)}.json"))
+        return servers[-1]
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=10)
+    for server in servers:
+        server.stop()
