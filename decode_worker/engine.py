@@ -165,7 +165,38 @@ class DecodeEngine:
         self._window = _StepWindow()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._owns_receiver = False  # build() made it: stop() closes it
         self.num_steps = 0
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        *,
+        worker_id: str = "decode-0",
+        allow_local_prefill: bool = True,
+        kv_port: int = 0,
+    ) -> DecodeEngine:
+        """Load the model per ``config.load`` (``model_config`` for dummy weights) and open the
+        KV receiver of ``config.transfer.backend`` on ``config.transfer.host:kv_port`` (0 = a
+        free port), scattering into the runner's pool. Raises ConfigError / ValueError."""
+        from kv_transfer import make_receiver
+        from kv_transfer.base import KVLayout
+        from pdserve.engine.runner import ModelRunner
+
+        runner = ModelRunner(config, model_config)
+        layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
+        receiver = make_receiver(config.transfer, runner.kv_pool, layout, port=kv_port)
+        engine = cls(
+            config,
+            worker_id=worker_id,
+            runner=runner,
+            receiver=receiver,
+            allow_local_prefill=allow_local_prefill,
+        )
+        engine._owns_receiver = True
+        return engine
 
     # ------------------------------------------------------------------------------- requests
     @property
@@ -352,7 +383,8 @@ class DecodeEngine:
             self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop, fail every live request (UNAVAILABLE) and free its blocks."""
+        """Stop the loop, fail every live request (UNAVAILABLE), free its blocks, and close the
+        receiver if :meth:`build` opened it. Idempotent."""
         with self._lock:
             self._stopping = True
             thread, self._thread = self._thread, None
@@ -364,6 +396,8 @@ class DecodeEngine:
             for rid in list(self._sinks):
                 self.scheduler.fail(rid, UNAVAILABLE, f"decode worker {self.worker_id} stopped")
             self._flush()
+            if self._owns_receiver and self.receiver is not None:
+                self.receiver.close()
 
     def _loop(self) -> None:
         while not self._stopping:

@@ -1,0 +1,279 @@
+"""Decode throughput of the DecodeEngine against ``transformers`` batched generate (issue 5).
+
+For each dtype and batch size B, in one run on one machine:
+
+* **engine**: B requests (random ``--prompt-len``-token prompts, greedy, ``ignore_eos``) are
+  prefilled locally (unified mode), then ``--decode-steps`` decode steps are timed while all B
+  sequences decode; step time is the median wall time of ``DecodeEngine.step()`` (scheduling,
+  forward, sampling and event delivery included), tokens/s = B / step time.
+* **transformers**: ``generate`` on the same weights (the same GGUF, dequantised by transformers)
+  and the same prompts, greedy, with ``max_new_tokens`` = 1 and 1 + S; the per-step time is the
+  difference divided by S (the prefill cancels out).
+* **floor**: the time one decode step cannot beat on this machine, from two measured rates: bytes
+  moved (every weight read once, plus the KV cache read at the mean context length) over the
+  measured copy bandwidth, and matmul FLOPs (2 per weight per sequence, plus attention's
+  ``4 * context * heads * head_dim`` per layer per sequence) over the measured matmul rate; the
+  floor is the larger of the two (a roofline: Williams et al., CACM 2009).
+
+Usage::
+
+    .venv/bin/python bench/decode_throughput.py                      # smollm2, fp32 + bf16
+    .venv/bin/python bench/decode_throughput.py --dtypes bfloat16 --batch-sizes 1,8 --no-hf
+
+Prints a markdown table (for docs/benchmarks.md); ``--json`` also writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_worker.engine import DecodeEngine  # noqa: E402
+from decode_worker.request import (  # noqa: E402
+    DecodeEvent,
+    DecodeRequest,
+    FinishedEvent,
+    TokensEvent,
+)
+from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.runner import ModelRunner  # noqa: E402
+from pdserve.model.resolve import resolve_model  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (dtype, batch) measurement. Times in ms, throughput in generated tokens/s."""
+
+    dtype: str
+    batch: int
+    engine_step_ms: float
+    engine_tok_s: float
+    hf_step_ms: float | None
+    hf_tok_s: float | None
+    floor_ms: float
+    floor_bound: str  # 'memory' | 'compute'
+
+
+# ------------------------------------------------------------------------------ machine rates
+def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Measured memory copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """Measured square-matmul rate in GFLOP/s (2 n^3 FLOPs per product), best of ``reps``."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def floor_step_ms(
+    runner: ModelRunner, batch: int, context: float, bw_gbs: float, gflops: float
+) -> tuple[float, str]:
+    """Lower bound on one decode step (ms) and which resource bounds it ('memory'|'compute').
+
+    Bytes: every parameter once (a tied embedding counts once: the LM head reads it whole, the
+    lookup only B rows) + the KV of ``batch`` sequences at ``context`` tokens. FLOPs: 2 per
+    matmul weight per sequence (embedding lookup excluded unless tied, where it is the LM head)
+    + attention, 4 * context * num_heads * head_dim per layer per sequence.
+    """
+    mc = runner.model_config
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    params = sum(p.numel() for p in runner.model.parameters())
+    # Tied: the one embedding matrix is the LM head (a matmul). Untied: the lookup is no matmul.
+    embed = mc.vocab_size * mc.hidden_size
+    matmul_params = params if mc.tie_word_embeddings else params - embed
+    kv_bytes = batch * context * mc.kv_bytes_per_token * elem
+    bytes_moved = params * elem + kv_bytes
+    attn = 4 * context * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
+    flops = batch * (2 * matmul_params + attn)
+    mem_ms = bytes_moved / (bw_gbs * 1e9) * 1e3
+    cmp_ms = flops / (gflops * 1e9) * 1e3
+    return (mem_ms, "memory") if mem_ms >= cmp_ms else (cmp_ms, "compute")
+
+
+# ------------------------------------------------------------------------------ measurements
+def engine_step_ms(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, config: EngineConfig
+) -> float:
+    """Median wall ms of DecodeEngine.step() while all len(prompts) sequences decode."""
+    engine = DecodeEngine(config, runner=runner)
+    first: set[str] = set()
+    done: list[str] = []
+
+    def sink(rid: str) -> Callable[[DecodeEvent], None]:
+        def put(ev: DecodeEvent) -> None:
+            if isinstance(ev, TokensEvent):
+                first.add(rid)
+            elif isinstance(ev, FinishedEvent):
+                done.append(rid)
+
+        return put
+
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            DecodeRequest(f"b{i}", tuple(p), sp, prefill_locally=True), sink(f"b{i}")
+        )
+    while len(first) < len(prompts):  # prefill (maybe several chunked steps) until token 1
+        engine.step()
+    engine.step()  # warm-up decode step
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        n = engine.step()
+        times.append(time.perf_counter() - t0)
+        assert n == len(prompts), f"expected a full batch of {len(prompts)}, got {n}"
+    engine.run_until_idle()
+    assert len(done) == len(prompts)
+    engine.check_integrity()
+    return statistics.median(times) * 1e3
+
+
+def hf_step_ms(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:
+    """Per-step ms of transformers greedy generate: (t(1 + steps) - t(1)) / steps."""
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(  # type: ignore[operator]
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    return max(gen(1 + steps) - gen(1), 0.0) / steps * 1e3
+
+
+def load_hf(model_name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The same dense weights in a transformers model.
+
+    A HF directory loads with ``from_pretrained``. A GGUF file is dequantised by pdserve's GGUF
+    reader into HF-named tensors and loaded into a ``LlamaForCausalLM`` built from its metadata
+    (transformers' own GGUF path here may keep weights quantised with float32 kernels, which
+    would not be the same computation). Raises RuntimeError if a weight is left unloaded.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    resolved = resolve_model(model_name)
+    if resolved.kind != "gguf":
+        return AutoModelForCausalLM.from_pretrained(resolved.hf_dir, dtype=dtype).eval()
+    from pdserve.model.gguf_file import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(resolved.path)
+    mc = ckpt.model_config()
+    hf_cfg = LlamaConfig(
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers,
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        max_position_embeddings=mc.max_position_embeddings,
+        rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta,
+        tie_word_embeddings=mc.tie_word_embeddings,
+    )
+    model = LlamaForCausalLM(hf_cfg)
+    missing, unexpected = model.load_state_dict(dict(ckpt.weights(mc)), strict=False)
+    allowed = {"lm_head.weight"} if mc.tie_word_embeddings else set()
+    if set(missing) - allowed or unexpected:
+        raise RuntimeError(f"HF baseline weights: missing {missing}, unexpected {unexpected}")
+    if mc.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    ap.add_argument("--decode-steps", type=int, default=24, help="timed decode steps")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    bw = copy_bandwidth_gbs()
+    print(f"# torch threads {torch.get_num_threads()}; copy bandwidth {bw:.1f} GB/s", flush=True)
+    rows: list[Row] = []
+    for dtype in args.dtypes.split(","):
+        tdt = getattr(torch, dtype)
+        rate = matmul_gflops(tdt)
+        print(f"# {dtype}: matmul {rate:.0f} GFLOP/s", flush=True)
+        max_len = args.prompt_len + args.decode_steps + 4
+        blocks = max(batches) * (-(-max_len // 16)) + 8
+        config = EngineConfig(
+            load=LoadConfig(model=args.model, dtype=dtype),
+            cache=CacheConfig(num_blocks=blocks, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
+            ),
+        )
+        runner = ModelRunner(config)
+        hf = None if args.no_hf else load_hf(args.model, tdt)
+        g = torch.Generator().manual_seed(0)
+        vocab = runner.model_config.vocab_size
+        for b in batches:
+            prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
+            e_ms = engine_step_ms(runner, prompts, args.decode_steps, config)
+            h_ms = hf_step_ms(hf, prompts, args.decode_steps) if hf is not None else None
+            ctx = args.prompt_len + 1 + args.decode_steps / 2
+            f_ms, bound = floor_step_ms(runner, b, ctx, bw, rate)
+            row = Row(
+                dtype, b, e_ms, b / e_ms * 1e3, h_ms, b / h_ms * 1e3 if h_ms else None,
+                f_ms, bound,
+            )  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+        del runner, hf
+    print()
+    print("| dtype | batch | engine step ms | engine tok/s | transformers step ms | "
+          "transformers tok/s | floor step ms (bound) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        hs = f"{r.hf_step_ms:.1f}" if r.hf_step_ms is not None else "-"
+        ht = f"{r.hf_tok_s:.0f}" if r.hf_tok_s is not None else "-"
+        print(f"| {r.dtype} | {r.batch} | {r.engine_step_ms:.1f} | {r.engine_tok_s:.0f} | {hs} | "
+              f"{ht} | {r.floor_ms:.1f} ({r.floor_bound}) |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
