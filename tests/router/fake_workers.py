@@ -340,3 +340,48 @@ async def start_fake_cluster(
     await pool.poll_once()
     pool.start()
     return FakeCluster(pool, hub, pres, decs, servers)
+
+
+class FakeWorkerActor:
+    """Stands in for PrefillActor / DecodeActor in Ray tests (same constructor and methods).
+
+    The role comes from the worker id prefix. Decode actors prefill locally (there is no shared
+    KV hub across processes), so only the unified path generates tokens here.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: object,
+        num_cpus: float = 1.0,
+        allow_local_prefill: bool = False,
+    ) -> None:
+        self.worker_id = worker_id
+        self.role = "decode" if worker_id.startswith("decode") else "prefill"
+        self.allow_local_prefill = allow_local_prefill
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self) -> WorkerInfo:
+        import os
+
+        hub = KVHub()
+        if self.role == "decode":
+            servicer: object = FakeDecode(self.worker_id, hub, kv_endpoint=f"kv-{self.worker_id}")
+        else:
+            servicer = FakePrefill(self.worker_id, hub)
+        self.server, addr = await _serve(servicer, self.role)
+        kv = f"kv-{self.worker_id}" if self.role == "decode" else ""
+        return WorkerInfo(self.worker_id, self.role, addr, kv, 256, 16, os.getpid())
+
+    async def ping(self) -> bool:
+        return True
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+
+    async def crash(self) -> None:
+        """Exit the process the way a crash does (Ray restarts the actor)."""
+        import os
+
+        os._exit(1)

@@ -1,0 +1,435 @@
+"""The worker pool on Ray: launch, register, health-check, restart and scale worker actors.
+
+The only router module that imports Ray (DESIGN §1). Workers are Ray actors
+(``prefill_worker.actor.PrefillActor``, ``decode_worker.actor.DecodeActor``) in the namespace
+``pdserve``, each serving gRPC on its own port; the router reaches them only over gRPC, through
+the :class:`router.pool.WorkerPool` this module keeps up to date.
+
+* **Launch**: each actor gets ``cpus_per_worker`` Ray CPUs (the actor sets its torch threads from
+  it) and, on CUDA, a GPU share; ``start()`` returns its :class:`WorkerInfo` (gRPC address, KV
+  endpoint, pool geometry), which goes into the pool and into a small registry actor
+  (``pdserve-registry``) that ``pdserve router`` processes read (:class:`RegistryFollower`).
+* **Health**: every ``health_interval_s`` each actor is pinged over Ray. Ray restarts a dead actor
+  (``max_restarts``); a restarted actor is a fresh process that serves nothing until ``start()``
+  runs again, so when the ping answers but the registered gRPC address refuses connections the
+  actor is started again and re-registered under the same id with its new address. An actor
+  that stays unreachable for ``replace_after_s`` (restarts exhausted) is replaced by a new one.
+* **Scale**: :meth:`RayCluster.scale` adds actors or retires the newest ones (removed from the
+  pool first, so no new request is placed on them, then stopped after a drain delay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from pdserve.config import EngineConfig
+from pdserve.worker_info import WorkerInfo
+from router.pool import WorkerPool
+from router.worker_client import ROLES, WorkerClient
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+REGISTRY_NAME = "pdserve-registry"
+
+
+@ray.remote(num_cpus=0)
+class WorkerRegistry:
+    """Ray actor holding the current WorkerInfo of every registered worker (for extra routers)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerInfo] = {}
+
+    def put(self, info: WorkerInfo) -> None:
+        self._workers[info.worker_id] = info
+
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def list(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (at least 0.5).
+
+    ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
+    Times in seconds.
+    """
+
+    engine: EngineConfig
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    cpus_per_worker: float | None = None
+    gpus_per_worker: float | None = None
+    max_restarts: int = 3
+    health_interval_s: float = 2.0
+    ping_timeout_s: float = 10.0
+    start_timeout_s: float = 900.0
+    replace_after_s: float = 120.0
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.num_decode_workers < 1:
+            raise ValueError("--num-decode-workers must be >= 1")
+        if self.num_prefill_workers < 0:
+            raise ValueError("--num-prefill-workers must be >= 0")
+        if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
+            raise ValueError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
+
+
+def local_resources(spec: ClusterSpec) -> tuple[float, float, int]:
+    """(cpus per worker, gpus per worker, CPUs to give a new local Ray) for ``spec``."""
+    n = spec.num_prefill_workers + spec.num_decode_workers
+    total = os.cpu_count() or 1
+    cpus = spec.cpus_per_worker or max(0.5, total / n)
+    gpus = spec.gpus_per_worker
+    if gpus is None:
+        gpus = 0.0
+        if spec.engine.load.device.startswith("cuda"):
+            import torch  # only to count GPUs; workers own the tensors
+
+            count = torch.cuda.device_count()
+            gpus = min(1.0, count / n) if count else 0.0
+    ray_cpus = max(total, int(cpus * n + 0.999))
+    return cpus, gpus, ray_cpus
+
+
+def default_actor_classes() -> dict[str, type]:
+    """The real worker actor classes (imported lazily: they pull in torch)."""
+    from decode_worker.actor import DecodeActor
+
+    from prefill_worker.actor import PrefillActor
+
+    return {"prefill": PrefillActor, "decode": DecodeActor}
+
+
+@dataclass
+class _Actor:
+    """One worker actor as the cluster tracks it."""
+
+    worker_id: str
+    role: str
+    handle: Any  # ray.actor.ActorHandle
+    info: WorkerInfo | None = None
+    down_since: float | None = None
+    retiring: bool = False
+    restarts: int = 0
+
+
+class RayCluster:
+    """Owns the worker actors of one ``pdserve serve`` and keeps ``pool`` in step with them.
+
+    ``actor_classes``: role -> actor class (tests inject fakes; default: the real workers).
+    ``progress``: called with one human-readable line per startup step.
+    """
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        pool: WorkerPool,
+        ray_address: str | None = None,
+        actor_classes: dict[str, type] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.ray_address = ray_address
+        self._classes = actor_classes
+        self._progress = progress or (lambda line: log.info("%s", line))
+        self._actors: dict[str, _Actor] = {}
+        self._next_index = {"prefill": 0, "decode": 0}
+        self._registry: Any = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._cpus, self._gpus, self._ray_cpus = local_resources(spec)
+        self._lock = asyncio.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start (or join) Ray, launch the workers, wait until all serve, start health checks.
+
+        Raises RuntimeError naming the worker that failed to start.
+        """
+        if not ray.is_initialized():
+            t0 = time.monotonic()
+            if self.ray_address:
+                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=True)
+            else:
+                ray.init(
+                    num_cpus=self._ray_cpus,
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    logging_level=logging.WARNING,
+                )
+            where = self.ray_address or f"local, {self._ray_cpus} CPUs"
+            self._progress(f"Ray started ({where}) in {time.monotonic() - t0:.1f} s")
+        if self._classes is None:
+            self._classes = default_actor_classes()
+        self._registry = WorkerRegistry.options(  # type: ignore[attr-defined]
+            name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True
+        ).remote()
+        self._progress(
+            f"launching {self.spec.num_prefill_workers} prefill + {self.spec.num_decode_workers} "
+            f"decode workers ({self._cpus:g} CPU, {self._gpus:g} GPU each); loading the model..."
+        )
+        await self._launch("prefill", self.spec.num_prefill_workers)
+        await self._launch("decode", self.spec.num_decode_workers)
+        self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
+
+    async def stop(self) -> None:
+        """Stop health checks and every actor (best effort, never raises)."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        for a in list(self._actors.values()):
+            await self._kill(a, graceful=True)
+        self._actors.clear()
+
+    # -- launching ------------------------------------------------------------------------------
+
+    def _new_actor(self, role: str) -> _Actor:
+        assert self._classes is not None
+        idx = self._next_index[role]
+        self._next_index[role] += 1
+        worker_id = f"{role}-{idx}"
+        cls = self._classes[role]
+        remote_cls = cls if isinstance(cls, ray.actor.ActorClass) else ray.remote(cls)
+        kwargs: dict[str, Any] = {"num_cpus": self._cpus}
+        if role == "decode":
+            kwargs["allow_local_prefill"] = True  # unified mode and the no-prefill-worker fallback
+        handle = remote_cls.options(
+            name=worker_id,
+            namespace=NAMESPACE,
+            num_cpus=self._cpus,
+            num_gpus=self._gpus,
+            max_restarts=self.spec.max_restarts,
+            max_task_retries=0,
+        ).remote(worker_id, self.spec.engine, **kwargs)
+        actor = _Actor(worker_id, role, handle)
+        self._actors[worker_id] = actor
+        return actor
+
+    async def _start_actor(self, actor: _Actor) -> WorkerInfo:
+        t0 = time.monotonic()
+        try:
+            info: WorkerInfo = await asyncio.wait_for(
+                actor.handle.start.remote(), self.spec.start_timeout_s
+            )
+        except (RayActorError, asyncio.TimeoutError) as e:
+            raise RuntimeError(f"worker {actor.worker_id} failed to start: {e}") from e
+        actor.info = info
+        actor.down_since = None
+        self.pool.upsert(info)
+        await self._registry.put.remote(info)
+        self._progress(
+            f"{actor.worker_id} ready at {info.grpc_address} "
+            f"({info.num_blocks} KV blocks of {info.block_size} tokens) "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
+        return info
+
+    async def _launch(self, role: str, count: int) -> None:
+        actors = [self._new_actor(role) for _ in range(count)]
+        results = await asyncio.gather(
+            *(self._start_actor(a) for a in actors), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(str(errors[0])) from errors[0]
+
+    async def _kill(self, actor: _Actor, graceful: bool) -> None:
+        if graceful:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(actor.handle.stop.remote(), 10.0)
+        with contextlib.suppress(Exception):
+            ray.kill(actor.handle, no_restart=True)
+
+    # -- scaling ---------------------------------------------------------------------------------
+
+    def workers(self, role: str) -> list[str]:
+        """Ids of live (not retiring) actors of ``role``, oldest first."""
+        return [a.worker_id for a in self._actors.values() if a.role == role and not a.retiring]
+
+    async def scale(self, role: str, count: int) -> None:
+        """Run exactly ``count`` workers of ``role``. Raises ValueError for a bad role/count."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if count < (1 if role == "decode" else 0):
+            raise ValueError(f"cannot scale {role} workers to {count}")
+        async with self._lock:
+            live = self.workers(role)
+            if count > len(live):
+                self._progress(f"scaling {role} workers {len(live)} -> {count}")
+                await self._launch(role, count - len(live))
+            for worker_id in reversed(live[count:]):
+                self._progress(f"retiring {worker_id}")
+                await self._retire(self._actors[worker_id])
+
+    async def _retire(self, actor: _Actor) -> None:
+        actor.retiring = True
+        self.pool.remove(actor.worker_id)
+        await self._registry.remove.remote(actor.worker_id)
+
+        async def drain_then_kill() -> None:
+            await asyncio.sleep(self.spec.drain_s)
+            await self._kill(actor, graceful=True)
+            self._actors.pop(actor.worker_id, None)
+
+        asyncio.get_running_loop().create_task(drain_then_kill())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One dict per actor: id, role, address, health and restart count (for /admin)."""
+        out = []
+        for a in self._actors.values():
+            state = self.pool.get(a.worker_id)
+            out.append(
+                {
+                    "worker_id": a.worker_id,
+                    "role": a.role,
+                    "grpc_address": a.info.grpc_address if a.info else None,
+                    "kv_endpoint": a.info.kv_endpoint if a.info else None,
+                    "num_blocks": a.info.num_blocks if a.info else None,
+                    "healthy": bool(state and state.healthy),
+                    "retiring": a.retiring,
+                    "restarts": a.restarts,
+                }
+            )
+        return out
+
+    # -- health ----------------------------------------------------------------------------------
+
+    async def _monitor_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.health_interval_s)
+            for actor in [a for a in self._actors.values() if not a.retiring]:
+                try:
+                    await self._check(actor)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - the monitor must keep running
+                    log.exception("health check of %s failed", actor.worker_id)
+
+    async def _ping(self, actor: _Actor) -> bool:
+        try:
+            return bool(
+                await asyncio.wait_for(actor.handle.ping.remote(), self.spec.ping_timeout_s)
+            )
+        except (RayActorError, GetTimeoutError, asyncio.TimeoutError):
+            return False
+
+    async def _check(self, actor: _Actor) -> None:
+        """One health check: re-register a restarted actor, replace a dead one."""
+        now = time.monotonic()
+        if not await self._ping(actor):
+            if actor.down_since is None:
+                actor.down_since = now
+                log.warning("worker %s does not answer Ray pings", actor.worker_id)
+                self.pool.remove(actor.worker_id)
+                await self._registry.remove.remote(actor.worker_id)
+            elif now - actor.down_since > self.spec.replace_after_s:
+                log.error("worker %s is gone; launching a replacement", actor.worker_id)
+                self._actors.pop(actor.worker_id, None)
+                await self._kill(actor, graceful=False)
+                await self._launch(actor.role, 1)
+            return
+        state = self.pool.get(actor.worker_id)
+        if state is not None and state.healthy:
+            return
+        # The process answers Ray but not (or no longer) gRPC at the registered address:
+        # a restarted actor, which must be started again.
+        if actor.info is not None and await _serving(actor.info):
+            return
+        actor.restarts += 1
+        self._progress(f"{actor.worker_id} restarted by Ray; starting it again")
+        try:
+            await self._start_actor(actor)
+        except RuntimeError as e:
+            log.error("%s", e)
+
+
+async def _serving(info: WorkerInfo) -> bool:
+    """Whether ``info.grpc_address`` answers GetStats (a fresh channel, 3 s)."""
+    client = WorkerClient(info)
+    try:
+        await client.get_stats(timeout_s=3.0)
+        return True
+    except grpc.aio.AioRpcError:
+        return False
+    finally:
+        await client.close()
+
+
+class RegistryFollower:
+    """For ``pdserve router``: mirror the registry of an existing cluster into ``pool``.
+
+    ``poll_s``: seconds between registry reads.
+    """
+
+    def __init__(self, pool: WorkerPool, ray_address: str, poll_s: float = 1.0) -> None:
+        self.pool = pool
+        self.ray_address = ray_address
+        self.poll_s = poll_s
+        self._registry: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, wait_for_workers_s: float = 60.0) -> None:
+        """Join Ray, find the registry, load the workers. Raises RuntimeError if none appear."""
+        if not ray.is_initialized():
+            ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            self._registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+        except ValueError:
+            raise RuntimeError(
+                f"no pdserve cluster at {self.ray_address}: actor {REGISTRY_NAME!r} not found "
+                f"in namespace {NAMESPACE!r} (start one with `pdserve serve`)"
+            ) from None
+        end = time.monotonic() + wait_for_workers_s
+        while True:
+            await self.sync()
+            if self.pool.workers("decode"):
+                break
+            if time.monotonic() > end:
+                raise RuntimeError(f"the cluster at {self.ray_address} has no decode worker")
+            await asyncio.sleep(self.poll_s)
+        self._task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def sync(self) -> None:
+        """Read the registry once and apply additions, address changes and removals."""
+        infos: list[WorkerInfo] = await self._registry.list.remote()
+        ids = {i.worker_id for i in infos}
+        for info in infos:
+            self.pool.upsert(info)
+        for w in list(self.pool):
+            if w.worker_id not in ids:
+                self.pool.remove(w.worker_id)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.sync()
+            except RayActorError:
+                log.error("the cluster's registry is gone; keeping the last known workers")
+            except Exception:  # noqa: BLE001
+                log.exception("registry sync failed")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

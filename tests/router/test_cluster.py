@@ -1,0 +1,110 @@
+"""Ray worker pool with fake worker actors: launch, registry, restart + re-register, scaling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+import fake_workers
+import pytest
+import ray
+from fake_workers import FakeWorkerActor
+
+from pdserve.config import EngineConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+from router.cluster import ClusterSpec, RayCluster, RegistryFollower
+from router.pool import WorkerPool
+from router.serving import Router, RouterConfig
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[str]:
+    ray.cloudpickle.register_pickle_by_value(fake_workers)
+    ctx = ray.init(num_cpus=4, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+    try:
+        yield ctx.address_info["address"]
+    finally:
+        ray.shutdown()
+
+
+def spec(prefill: int = 1, decode: int = 1) -> ClusterSpec:
+    return ClusterSpec(
+        engine=EngineConfig(),
+        num_prefill_workers=prefill,
+        num_decode_workers=decode,
+        cpus_per_worker=0.25,
+        health_interval_s=0.3,
+        drain_s=0.1,
+    )
+
+
+async def wait_for(pred: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_cluster_launch_restart_scale_and_follow(
+    local_ray: str, tokenizer: Tokenizer
+) -> None:
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": FakeWorkerActor, "decode": FakeWorkerActor}
+    cluster = RayCluster(spec(), pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    pool.start()
+    try:
+        assert [w.worker_id for w in pool.workers("decode")] == ["decode-0"]
+        assert [w.worker_id for w in pool.workers("prefill")] == ["prefill-0"]
+        assert {d["worker_id"] for d in cluster.describe()} == {"decode-0", "prefill-0"}
+
+        # a second router process would follow the same registry
+        follower_pool = WorkerPool()
+        follower = RegistryFollower(follower_pool, local_ray, poll_s=0.2)
+        await follower.start(wait_for_workers_s=5)
+        assert {w.worker_id for w in follower_pool} == {"decode-0", "prefill-0"}
+
+        # Ray restarts a crashed actor; the cluster starts it again and re-registers it
+        old = pool.get("decode-0").info  # type: ignore[union-attr]
+        handle = ray.get_actor("decode-0", namespace="pdserve")
+        with pytest.raises(ray.exceptions.RayActorError):
+            await handle.crash.remote()
+
+        def re_registered() -> bool:
+            w = pool.get("decode-0")
+            return w is not None and w.healthy and w.info.pid != old.pid
+
+        await wait_for(re_registered)
+        assert pool.get("decode-0").info.grpc_address != old.grpc_address  # type: ignore[union-attr]
+
+        def followed() -> bool:
+            w = follower_pool.get("decode-0")
+            return w is not None and w.info.pid != old.pid
+
+        await wait_for(followed)
+
+        # scale up and down at run time
+        await cluster.scale("decode", 2)
+        assert [w.worker_id for w in pool.workers("decode")] == ["decode-0", "decode-1"]
+        await cluster.scale("prefill", 0)
+        assert pool.workers("prefill") == []
+        await cluster.scale("decode", 1)
+        assert [w.worker_id for w in pool.workers("decode")] == ["decode-0"]
+        await wait_for(lambda: {w.worker_id for w in follower_pool} == {"decode-0"})
+        with pytest.raises(ValueError, match="cannot scale decode"):
+            await cluster.scale("decode", 0)
+
+        # with no prefill worker left, decode workers prefill locally
+        router = Router(RouterConfig(model_name="fake", max_model_len=64), tokenizer, pool)
+        stream = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+        deltas = [d async for d in stream]
+        assert stream.completion_tokens == 4 and deltas[-1].finish_reason == "length"
+        await follower.stop()
+        await follower_pool.close()
+    finally:
+        await cluster.stop()
+        await pool.close()
