@@ -382,6 +382,11 @@ class DecodeEngine:
             )
             self._thread.start()
 
+    def is_running(self) -> bool:
+        """True while the background step loop thread is alive."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop, fail every live request (UNAVAILABLE), free its blocks, and close the
         receiver if :meth:`build` opened it. Idempotent."""

@@ -152,3 +152,21 @@ def add_to_server(engine: DecodeEngine, server: grpc.aio.Server) -> DecodeServic
     service = DecodeService(engine)
     pb_grpc.add_DecodeServiceServicer_to_server(service, server)
     return service
+
+
+async def serve(
+    engine: DecodeEngine, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, str]:
+    """Start a grpc.aio server with the DecodeService on ``host:port`` (0 = a free port).
+
+    Starts the engine's step loop too. Returns (server, "host:port"). Raises RuntimeError when
+    the port cannot be bound.
+    """
+    server = grpc.aio.server()
+    add_to_server(engine, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the decode gRPC server to {host}:{port}")
+    engine.start()
+    await server.start()
+    return server, f"{host}:{bound}"
