@@ -355,10 +355,21 @@ class PrefillEngine:
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
+    def is_running(self) -> bool:
+        """True while the background step loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            if self.step() == 0:
+            try:
+                computed = self.step()
+            except Exception as e:  # a bug: fail what is live, keep serving new requests
+                logger.exception("prefill engine step failed")
+                for rid in list(self._pending):
+                    self._fail(rid, PrefillError(INTERNAL, f"prefill engine step failed: {e}"))
+                computed = 0
+            if computed == 0:
                 # Idle or only sends in flight: sleep until a request, an abort or a send
                 # completion arrives (or 50 ms pass, to expire deadlines).
                 self._wake.wait(0.05)
