@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,8 +277,3 @@ def default_filename(doc: dict[str, Any]) -> str:
     conc = f"-concurrency{doc['max_concurrency']}" if doc.get("max_concurrency") else ""
     stamp = str(doc["date"]).replace("-", "").replace(":", "").replace("T", "-")
     return f"{doc['label']}-{doc['request_rate']}qps{conc}-{model}-{stamp}.json"
-
-
-def summary_row(doc: dict[str, Any], keys: Sequence[str]) -> list[Any]:
-    """Values of ``keys`` from a result document (for sweep summaries)."""
-    return [doc.get(k) for k in keys]
