@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     # heavy imports here, so `pdserve --help` stays fast
     from pdserve.engine.offline import OfflineEngine
+    from pdserve.model.loader import load_model_config
     from pdserve.tokenizer import load_tokenizer
 
     params = SamplingParams(
@@ -66,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     load = LoadConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device
     )
+    load_model_config(load)  # model problems first, one line, before the tokenizer is read
     tok = load_tokenizer(args.model)
     if args.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
@@ -85,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         if len(outputs) > 1:
             print(f"=== [{i}] ===")
         print(tok.decode(out.output_token_ids, skip_special_tokens=True))
+    sys.stdout.flush()
     st = engine.stats
     generated = sum(len(o.output_token_ids) for o in outputs)
     decode_rate = st.decode_tokens / st.decode_s if st.decode_s else 0.0

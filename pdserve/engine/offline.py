@@ -72,8 +72,9 @@ class OfflineEngine:
     """Runs batches of token-id prompts to completion with a ModelRunner and a KVCacheManager.
 
     ``eos_token_ids``: ids that end a request (unless ``ignore_eos``) in addition to the model
-    config's (a tokenizer may know more, e.g. end-of-turn ids).
-    Raises ConfigError while loading the model.
+    config's (a tokenizer may know more, e.g. end-of-turn ids). ``runner``: reuse an already
+    loaded ModelRunner (its weights and KV pool) under this ``config``'s scheduler limits; the
+    KV pool must then be idle. Raises ConfigError while loading the model.
     """
 
     def __init__(
@@ -81,9 +82,10 @@ class OfflineEngine:
         config: EngineConfig,
         model_config: ModelConfig | None = None,
         eos_token_ids: Sequence[int] = (),
+        runner: ModelRunner | None = None,
     ) -> None:
         self.config = config
-        self.runner = ModelRunner(config, model_config)
+        self.runner = runner or ModelRunner(config, model_config)
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching
         )
@@ -118,7 +120,8 @@ class OfflineEngine:
             reqs.append(_Request(str(i), list(p), sp))
         self.stats = GenerateStats()
         start = time.perf_counter()
-        waiting, running = list(reqs), []
+        waiting: list[_Request] = list(reqs)
+        running: list[_Request] = []
         while waiting or running:
             batch, scheduled = self._schedule(waiting, running)
             t0 = time.perf_counter()

@@ -218,6 +218,7 @@ class GGUFCheckpoint:
         start = self.data_offset + info.offset
         raw = data[start : start + info.nbytes]
         shape = tuple(reversed(info.shape))  # numpy order: outermost first
+        arr: np.ndarray
         if info.qtype == gguf.GGMLQuantizationType.F32:
             arr = raw.view(np.float32).reshape(shape)
         elif info.qtype == gguf.GGMLQuantizationType.F16:

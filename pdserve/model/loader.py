@@ -72,8 +72,13 @@ def _config_of(
 
 def load_model_config(load: LoadConfig) -> ModelConfig:
     """The ModelConfig of ``load.model`` without reading any tensor (config.json or GGUF
-    metadata). Raises ConfigError (model not found, unsupported architecture, bad config)."""
-    return _config_of(resolve_model(load.model))
+    metadata). Unless ``load_format`` is 'dummy', also checks that the weight files exist.
+    Raises ConfigError (model or weight file not found, unsupported architecture, bad config)."""
+    resolved = resolve_model(load.model)
+    cfg = _config_of(resolved)
+    if load.load_format != "dummy" and resolved.kind == "hf":
+        safetensors_files(resolved.path)
+    return cfg
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
