@@ -24,6 +24,7 @@ from decode_worker.request import (
     FinishedEvent,
     PreemptedEvent,
     RequestRefused,
+    TokensEvent,
 )
 from pdserve.sampling_params import SamplingParams
 
@@ -213,3 +214,23 @@ def test_stop_fails_live_requests() -> None:
             DecodeRequest("b", prompt(0, 9), greedy(5), prefill_locally=True), col.sink("b")
         )
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_logprobs_when_asked() -> None:
+    eng = tiny_engine()
+    col = Collector()
+    sp = SamplingParams(temperature=0.0, max_tokens=3, logprobs=True, top_logprobs=2)
+    eng.add_request(DecodeRequest("lp", prompt(0, 6), sp, prefill_locally=True), col.sink("lp"))
+    eng.add_request(
+        DecodeRequest("no", prompt(0, 6), greedy(3), prefill_locally=True), col.sink("no")
+    )
+    eng.run_until_idle()
+    toks = [t for e in col.events["lp"] if isinstance(e, TokensEvent) for t in e.tokens]
+    assert len(toks) == 3
+    for t in toks:
+        assert t.logprob < 0 and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0][0] == t.token_id  # greedy: the sampled token is the best one
+        assert t.top_logprobs[0][1] == pytest.approx(t.logprob)
+    plain = [t for e in col.events["no"] if isinstance(e, TokensEvent) for t in e.tokens]
+    assert [t.token_id for t in plain] == [t.token_id for t in toks]
+    assert all(t.top_logprobs == () for t in plain)

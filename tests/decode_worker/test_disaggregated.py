@@ -8,6 +8,7 @@ KV sent over the loopback transport into the blocks the decode engine reserved) 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -41,9 +42,23 @@ def _with_loopback(cfg: EngineConfig) -> EngineConfig:
     )
 
 
-def _pair(**kw: object) -> tuple[PrefillEngine, DecodeEngine]:
-    cfg = _with_loopback(tiny_config(**kw))  # type: ignore[arg-type]
-    return PrefillEngine.build(cfg, TINY), DecodeEngine.build(cfg, TINY)
+PairFactory = Callable[..., tuple[PrefillEngine, DecodeEngine]]
+
+
+@pytest.fixture
+def make_pair() -> Iterator[PairFactory]:
+    """Builds (prefill, decode) engines on the same tiny weights; shuts them all down after."""
+    made: list[tuple[PrefillEngine, DecodeEngine]] = []
+
+    def build(**kw: object) -> tuple[PrefillEngine, DecodeEngine]:
+        cfg = _with_loopback(tiny_config(**kw))  # type: ignore[arg-type]
+        made.append((PrefillEngine.build(cfg, TINY), DecodeEngine.build(cfg, TINY)))
+        return made[-1]
+
+    yield build
+    for prefill, decode in made:
+        prefill.shutdown()
+        decode.stop()
 
 
 def _sampling(i: int, mode: str, max_tokens: int) -> SamplingParams:
@@ -89,39 +104,35 @@ class MiniRouter:
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-def test_disaggregated_equals_unified(mode: str) -> None:
-    prefill, decode = _pair()
+def test_disaggregated_equals_unified(mode: str, make_pair: PairFactory) -> None:
+    prefill, decode = make_pair()
     prefill.start()
     decode.start()
-    try:
-        col = Collector()
-        router = MiniRouter(prefill, decode, col)
-        cases = [(f"q{i}", prompt(i, 3 + 5 * i), _sampling(i, mode, 3 + i)) for i in range(10)]
-        futs = {rid: router.place(rid, p, sp) for rid, p, sp in cases}
-        for rid, fut in futs.items():
-            router.outputs[rid].append(fut.result(30).token.token_id)  # token 1, from P
-        col.wait(list(router.attempt.values()))
-        disagg = {rid: router.tokens(rid) for rid, _, _ in cases}
-        for rid, _, sp in cases:
-            last = col.last(router.attempt[rid])
-            assert isinstance(last, FinishedEvent), (rid, last)
-            assert last.num_output_tokens == len(disagg[rid]) <= sp.max_tokens  # type: ignore[operator]
-        for rid, p, sp in cases:
-            col.events.pop(rid, None)
-            decode.add_request(DecodeRequest(rid, p, sp, prefill_locally=True), col.sink(rid))
-        col.wait([rid for rid, _, _ in cases])
-        unified = {rid: col.tokens(rid) for rid, _, _ in cases}
-        assert disagg == unified
-        assert decode.receiver is not None and decode.receiver.stats().transfers_ok == 10
-    finally:
-        prefill.shutdown()
-        decode.stop()
+    col = Collector()
+    router = MiniRouter(prefill, decode, col)
+    cases = [(f"q{i}", prompt(i, 3 + 5 * i), _sampling(i, mode, 3 + i)) for i in range(10)]
+    futs = {rid: router.place(rid, p, sp) for rid, p, sp in cases}
+    for rid, fut in futs.items():
+        router.outputs[rid].append(fut.result(30).token.token_id)  # token 1, from P
+    col.wait(list(router.attempt.values()))
+    disagg = {rid: router.tokens(rid) for rid, _, _ in cases}
+    for rid, _, sp in cases:
+        last = col.last(router.attempt[rid])
+        assert isinstance(last, FinishedEvent), (rid, last)
+        assert last.num_output_tokens == len(disagg[rid]) <= sp.max_tokens  # type: ignore[operator]
+    for rid, p, sp in cases:
+        col.events.pop(rid, None)
+        decode.add_request(DecodeRequest(rid, p, sp, prefill_locally=True), col.sink(rid))
+    col.wait([rid for rid, _, _ in cases])
+    unified = {rid: col.tokens(rid) for rid, _, _ in cases}
+    assert disagg == unified
+    assert decode.receiver is not None and decode.receiver.stats().transfers_ok == 10
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
     decode.check_integrity()
 
 
-def test_preemption_with_reprefill_on_the_prefill_engine() -> None:
-    prefill, decode = _pair(num_blocks=16)  # 6 x up to 8 blocks of 4 tokens: must preempt
+def test_preemption_with_reprefill_on_the_prefill_engine(make_pair: PairFactory) -> None:
+    prefill, decode = make_pair(num_blocks=16)  # 6 x up to 8 blocks of 4 tokens: must preempt
     col = Collector()
     router = MiniRouter(prefill, decode, col)
     cases = [(f"p{i}", prompt(i, 5 + i), greedy(22, ignore_eos=True)) for i in range(6)]
@@ -162,8 +173,8 @@ def test_preemption_with_reprefill_on_the_prefill_engine() -> None:
     prefill.check_integrity()
 
 
-def test_abort_at_each_stage_frees_everything() -> None:
-    prefill, decode = _pair()
+def test_abort_at_each_stage_frees_everything(make_pair: PairFactory) -> None:
+    prefill, decode = make_pair()
     col = Collector()
     router = MiniRouter(prefill, decode, col)
     assert decode.receiver is not None
@@ -202,24 +213,21 @@ def test_abort_at_each_stage_frees_everything() -> None:
     prefill.check_integrity()
 
 
-def test_reservation_freed_when_kv_never_arrives() -> None:
-    _, decode = _pair()
+def test_reservation_freed_when_kv_never_arrives(make_pair: PairFactory) -> None:
+    _, decode = make_pair()
     col = Collector()
     decode.start()
-    try:
-        t0 = time.monotonic()
-        decode.add_request(
-            DecodeRequest("lost", prompt(1, 9), greedy(5), kv_timeout_s=0.2), col.sink("lost")
-        )
-        decode.add_request(
-            DecodeRequest("dl", prompt(2, 9), greedy(5), deadline=time.time() + 0.3), col.sink("dl")
-        )
-        col.wait(["lost", "dl"], timeout_s=5)
-        assert time.monotonic() - t0 < 2
-        for rid in ("lost", "dl"):
-            ev = col.last(rid)
-            assert isinstance(ev, ErrorEvent) and ev.code == DEADLINE_EXCEEDED, ev
-        assert decode.kv.num_free_blocks == decode.kv.num_blocks
-    finally:
-        decode.stop()
+    t0 = time.monotonic()
+    decode.add_request(
+        DecodeRequest("lost", prompt(1, 9), greedy(5), kv_timeout_s=0.2), col.sink("lost")
+    )
+    decode.add_request(
+        DecodeRequest("dl", prompt(2, 9), greedy(5), deadline=time.time() + 0.3), col.sink("dl")
+    )
+    col.wait(["lost", "dl"], timeout_s=5)
+    assert time.monotonic() - t0 < 2
+    for rid in ("lost", "dl"):
+        ev = col.last(rid)
+        assert isinstance(ev, ErrorEvent) and ev.code == DEADLINE_EXCEEDED, ev
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks
     decode.check_integrity()
