@@ -151,6 +151,7 @@ class DecodeEngine:
             vocab_size=mc.vocab_size,
             eos_token_ids=mc.eos_token_ids,
             default_kv_timeout_s=default_kv_timeout_s or config.transfer.timeout_s,
+            watermark_blocks=min(-(-runner.num_blocks // 100), runner.num_blocks - 1),
             clock=clock,
         )
         self._lock = threading.RLock()

@@ -7,7 +7,9 @@ Lifecycle of one sequence (DESIGN §4)::
                                                                              └─> preempted
 
 * ``add_request`` reserves blocks for the whole prompt (earlier output tokens included) at once,
-  or refuses with RESOURCE_EXHAUSTED. A remote request then waits for its KV transfer; a local
+  or refuses with RESOURCE_EXHAUSTED. It leaves ``watermark_blocks`` free for the growth of
+  running sequences (vLLM keeps a similar admission watermark, 1% of the pool by default), so a
+  new reservation does not immediately force a preemption. A remote request then waits for its KV transfer; a local
   one (unified mode) is ready at once and is prefilled here in chunks. With prefix caching on, a
   local prompt takes its longest cached prefix first.
 * ``kv_arrived`` stores token 1 (sampled by the prefill worker). If token 1 already ends the
@@ -128,7 +130,8 @@ class DecodeScheduler:
     ``max_model_len``: prompt + output tokens per request (already the min of the scheduler
     config and the model's position limit). ``vocab_size`` bounds token ids.
     ``eos_token_ids``: the model's EOS ids. ``default_kv_timeout_s``: seconds a reservation waits
-    for its KV when the request names none. ``clock``: wall time in seconds (``time.time``).
+    for its KV when the request names none. ``watermark_blocks``: blocks a new reservation must
+    leave free. ``clock``: wall time in seconds (``time.time``).
     Not thread-safe: the engine serialises calls.
     """
 
@@ -141,6 +144,7 @@ class DecodeScheduler:
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
         default_kv_timeout_s: float = 30.0,
+        watermark_blocks: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if max_model_len <= 0:
@@ -153,6 +157,11 @@ class DecodeScheduler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.default_kv_timeout_s = default_kv_timeout_s
+        if not 0 <= watermark_blocks < kv.num_blocks:
+            raise ValueError(
+                f"watermark_blocks must be in [0, {kv.num_blocks}), got {watermark_blocks}"
+            )
+        self.watermark_blocks = watermark_blocks
         self.clock = clock
         threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens // 2
         self.chunk_size = max(1, min(threshold, config.max_num_batched_tokens))
@@ -266,15 +275,19 @@ class DecodeScheduler:
         num_cached = 0
         if req.prefill_locally:
             computed, num_cached = self.kv.get_computed_blocks(prompt)
-        table = self.kv.allocate_slots(seq.key, n, computed)
+        need = self.kv.num_blocks_needed(n) - len(computed)
+        free = self.kv.num_free_blocks
+        table = None
+        if need <= free - self.watermark_blocks:
+            table = self.kv.allocate_slots(seq.key, n, computed)
         if table is None:
-            need = self.kv.num_blocks_needed(n) - len(computed)
-            total = self.kv.num_blocks
-            why = "never fits" if need > total else "retry later or elsewhere"
+            room = self.kv.num_blocks - self.watermark_blocks
+            why = "never fits" if need > room else "retry later or elsewhere"
             raise RequestRefused(
                 RESOURCE_EXHAUSTED,
-                f"no KV room: prompt of {n} tokens needs {need} blocks, {self.kv.num_free_blocks} "
-                f"of {total} free ({why})",
+                f"no KV room: prompt of {n} tokens needs {need} blocks, {free} of "
+                f"{self.kv.num_blocks} free, {self.watermark_blocks} kept for running "
+                f"sequences ({why})",
             )
         self._seqs[req.request_id] = seq
         if req.prefill_locally:

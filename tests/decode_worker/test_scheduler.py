@@ -165,6 +165,30 @@ def test_refusals() -> None:
     s.check_integrity()
 
 
+def test_reservations_leave_the_watermark_free() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    s = DecodeScheduler(
+        kv, SchedulerConfig(max_model_len=64), max_model_len=64, vocab_size=VOCAB,
+        watermark_blocks=2,
+    )  # fmt: skip
+    s.add_request(req("a", 16), transfer_id=1)  # 4 blocks, 4 free
+    with pytest.raises(RequestRefused, match="2 kept for running sequences") as e:
+        s.add_request(req("b", 12), transfer_id=2)  # 3 blocks would leave 1 < 2
+    assert e.value.code == RESOURCE_EXHAUSTED and "retry later" in e.value.message
+    s.add_request(req("b", 8), transfer_id=2)  # 2 blocks leave 2
+    with pytest.raises(RequestRefused, match="never fits"):
+        s.add_request(req("c", 28), transfer_id=3)  # 7 blocks > 8 - 2
+    with pytest.raises(ValueError, match="watermark_blocks"):
+        DecodeScheduler(
+            kv, SchedulerConfig(), max_model_len=64, vocab_size=VOCAB, watermark_blocks=8
+        )
+    # Running sequences may still grow into the watermark.
+    s.kv_arrived("a", 1, SampledToken(5))
+    s.kv_arrived("b", 2, SampledToken(5))
+    plan = step(s)
+    assert [len(x.block_table) for x in plan.seqs] == [5, 3] and kv.num_free_blocks == 0
+
+
 def test_token_one_finishes_immediately() -> None:
     s = make()
     s.add_request(req("len", 5, max_tokens=1), transfer_id=1)
