@@ -110,7 +110,6 @@ def local_resources(spec: ClusterSpec) -> tuple[float, float, int]:
 def default_actor_classes() -> dict[str, type]:
     """The real worker actor classes (imported lazily: they pull in torch)."""
     from decode_worker.actor import DecodeActor
-
     from prefill_worker.actor import PrefillActor
 
     return {"prefill": PrefillActor, "decode": DecodeActor}
@@ -156,6 +155,11 @@ class RayCluster:
         self._cpus, self._gpus, self._ray_cpus = local_resources(spec)
         self._lock = asyncio.Lock()
 
+    @property
+    def gcs_address(self) -> str:
+        """The Ray cluster's address ('host:port'), for ``pdserve router --ray-address``."""
+        return str(ray.get_runtime_context().gcs_address)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -175,8 +179,11 @@ class RayCluster:
                     log_to_driver=True,
                     logging_level=logging.WARNING,
                 )
-            where = self.ray_address or f"local, {self._ray_cpus} CPUs"
-            self._progress(f"Ray started ({where}) in {time.monotonic() - t0:.1f} s")
+            where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
+            self._progress(
+                f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
+                f"(more routers: pdserve router --ray-address {self.gcs_address})"
+            )
         if self._classes is None:
             self._classes = default_actor_classes()
         self._registry = WorkerRegistry.options(  # type: ignore[attr-defined]
@@ -234,6 +241,8 @@ class RayCluster:
             raise RuntimeError(f"worker {actor.worker_id} failed to start: {e}") from e
         actor.info = info
         actor.down_since = None
+        if actor.retiring or actor.worker_id not in self._actors:
+            return info  # scaled down while starting: never (re-)register it
         self.pool.upsert(info)
         await self._registry.put.remote(info)
         self._progress(
@@ -336,6 +345,8 @@ class RayCluster:
         """One health check: re-register a restarted actor, replace a dead one."""
         now = time.monotonic()
         if not await self._ping(actor):
+            if actor.retiring:
+                return
             if actor.down_since is None:
                 actor.down_since = now
                 log.warning("worker %s does not answer Ray pings", actor.worker_id)
@@ -353,6 +364,8 @@ class RayCluster:
         # The process answers Ray but not (or no longer) gRPC at the registered address:
         # a restarted actor, which must be started again.
         if actor.info is not None and await _serving(actor.info):
+            return
+        if actor.retiring:  # retired while we looked: its server is being stopped on purpose
             return
         actor.restarts += 1
         self._progress(f"{actor.worker_id} restarted by Ray; starting it again")

@@ -1,0 +1,134 @@
+"""Run both gateways (HTTP on uvicorn, gRPC) for one Router in the current event loop.
+
+Ports are bound first, so a port conflict fails in a second with a message naming the flag,
+before any worker is launched. While workers start, ``/health`` answers 503 and the gRPC health
+service NOT_SERVING; both turn healthy once a decode worker registers. ``SIGINT``/``SIGTERM`` set
+:attr:`Frontend.stopping`; the owner then shuts down in order (gateways, workers, Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from router.grpc_gateway import GrpcGateway
+from router.http_gateway import ClusterControl, build_app
+from router.serving import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Where to listen. ``api_key`` None = no authentication."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    log_level: str = "warning"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling (the Frontend owns SIGINT/SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A listening TCP socket on ``host:port``. Raises RuntimeError naming ``flag`` when taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {host}:{port} ({e.strerror}); choose another {flag}"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Frontend:
+    """HTTP + gRPC gateways for ``router``. ``control`` enables the /admin endpoints."""
+
+    def __init__(
+        self, router: Router, config: FrontendConfig, control: ClusterControl | None = None
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.app = build_app(router, api_key=config.api_key, control=control)
+        self.grpc = GrpcGateway(router, host=config.host, port=config.grpc_port)
+        self.stopping = asyncio.Event()
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self.http_port = config.port
+
+    async def start(self) -> None:
+        """Bind both ports and start serving. Raises RuntimeError when a port is taken."""
+        sock = bind_socket(self.config.host, self.config.port, "--port")
+        self.http_port = int(sock.getsockname()[1])
+        try:
+            await self.grpc.start()
+        except RuntimeError:
+            sock.close()
+            raise
+        cfg = uvicorn.Config(
+            self.app,
+            log_level=self.config.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=3,
+        )
+        self._http = _Uvicorn(cfg)
+        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stopping.set)
+
+    def release_signals(self) -> None:
+        """Give SIGINT/SIGTERM back to Python (call last: a signal during shutdown is ignored)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+    async def stop(self) -> None:
+        """Stop both gateways (in-flight requests get a short grace period)."""
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._http_task, 10)
+        with contextlib.suppress(Exception):
+            await self.grpc.stop(1.0)
+
+    def urls(self) -> dict[str, str]:
+        """Where clients connect (``localhost`` for a wildcard host)."""
+        host = self.config.host
+        shown = "localhost" if host in ("0.0.0.0", "::", "") else host
+        base = f"http://{shown}:{self.http_port}"
+        return {
+            "openai": f"{base}/v1",
+            "grpc": f"{shown}:{self.grpc.port}",
+            "metrics": f"{base}/metrics",
+            "health": f"{base}/health",
+        }
