@@ -6,6 +6,7 @@ Imported by the test modules beside it (pytest puts this directory on sys.path).
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -55,9 +56,11 @@ def tiny_config(
 
 
 def tiny_engine(**kw: object) -> DecodeEngine:
-    """A DecodeEngine on TINY; keyword args go to :func:`tiny_config` except ``receiver``."""
+    """A DecodeEngine on TINY; keyword args go to :func:`tiny_config` except ``receiver`` and
+    ``clock`` (wall seconds, for deadlines)."""
     receiver = kw.pop("receiver", None)
-    return DecodeEngine(tiny_config(**kw), model_config=TINY, receiver=receiver)  # type: ignore[arg-type]
+    clock = kw.pop("clock", time.time)
+    return DecodeEngine(tiny_config(**kw), model_config=TINY, receiver=receiver, clock=clock)  # type: ignore[arg-type]
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

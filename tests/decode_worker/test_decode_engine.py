@@ -175,7 +175,8 @@ def test_abort_running_and_finished_is_idempotent() -> None:
 
 
 def test_background_loop_streams_and_honours_deadlines() -> None:
-    eng = tiny_engine()
+    now = [1000.0]  # a wall clock the test moves
+    eng = tiny_engine(clock=lambda: now[0])
     col = Collector()
     eng.start()
     try:
@@ -184,11 +185,14 @@ def test_background_loop_streams_and_honours_deadlines() -> None:
             eng.add_request(r, col.sink(r.request_id))
         late = DecodeRequest(
             "late", prompt(9, 5), greedy(240, ignore_eos=True), prefill_locally=True,
-            deadline=time.time() + 0.1,
+            deadline=now[0] + 10,
         )  # fmt: skip
         eng.add_request(late, col.sink("late"))
-        col.wait([r.request_id for r in reqs] + ["late"])
+        col.wait([r.request_id for r in reqs])  # at most 14 tokens each: "late" is still running
         assert all(isinstance(col.last(r.request_id), FinishedEvent) for r in reqs)
+        assert not col.done("late")
+        now[0] += 11
+        col.wait(["late"])
         assert col.last("late") == ErrorEvent(DEADLINE_EXCEEDED, "request deadline passed")
         deadline = time.time() + 5
         while eng.kv.num_free_blocks != eng.kv.num_blocks and time.time() < deadline:
