@@ -184,6 +184,9 @@ class TransferState(str, enum.Enum):
     CANCELLED = "cancelled"  # receiver: cancel() before the KV arrived
     EXPIRED = "expired"  # receiver: deadline passed before the KV arrived
 
+    def __str__(self) -> str:
+        return self.value
+
 
 class TransferOutcome(str, enum.Enum):
     """How a transfer ended, as recorded for metrics (matches ``pdserve.v1.TransferRecord``)."""
@@ -192,6 +195,9 @@ class TransferOutcome(str, enum.Enum):
     DROPPED = "dropped"  # drained and discarded: the receiver held no reservation for the id
     FAILED = "failed"
     TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)

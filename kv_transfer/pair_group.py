@@ -95,7 +95,9 @@ class PairGroup:
         timeout = timedelta(seconds=timeout_s)
         try:
             if self.backend == "gloo":
-                opts = ProcessGroupGloo._Options()
+                # The gloo-specific options (timeout + the device to listen on) are only
+                # exposed as the underscored class.
+                opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
                 opts._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
                 self.pg: Any = ProcessGroupGloo(prefixed, rank, 2, opts)

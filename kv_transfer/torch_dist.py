@@ -80,6 +80,7 @@ HELLO_QUEUE = "pdkv/hello"
 PAIR_COUNTER = "pdkv/pairs"
 ACCEPT_POLL_S = 0.02  # how often the accept thread looks for new senders (adds to connect time)
 CLOSE_TIMEOUT_S = 2.0  # bound on the goodbye header of a graceful close
+CLOSE_JOIN_S = 0.5  # how long close() waits for channel threads to finish their teardown
 
 
 def _remaining(deadline: float) -> float:
@@ -227,6 +228,7 @@ class TorchDistReceiver(KVReceiver):
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._groups: set[PairGroup] = set()
+        self._threads: set[threading.Thread] = set()  # channel threads still running
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-accept-{self._port}", daemon=True
         )
@@ -263,8 +265,15 @@ class TorchDistReceiver(KVReceiver):
         self._core.close()
         with self._lock:
             groups = list(self._groups)
+            threads = list(self._threads)
         for g in groups:
             g.abort()
+        # Let channels that are tearing down finish here: a process that exits while a thread
+        # is still destroying its gloo group aborts ("terminate called without an active
+        # exception"). Threads blocked in an idle header wait cannot be woken; they stay.
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self._store = None  # the master store's server stops with its last reference
 
     # ----------------------------------------------------------------------------- threads
@@ -300,6 +309,9 @@ class TorchDistReceiver(KVReceiver):
             self._stats.bump("handshake_failures", error=f"bad hello: {e}")
             log.error("KV receiver %s: ignoring a bad hello (%s)", self.endpoint, e)
             return
+        if error is not None:  # counted before answering, so the sender sees it counted
+            self._stats.bump("handshake_failures", error=error)
+            log.error("KV receiver %s refused %s: %s", self.endpoint, hello.get("sender"), error)
         answer = {"ok": error is None, "error": error or "", "idle_timeout_s": self.idle_timeout_s}
         try:
             store.set(pair + "answer", json.dumps(answer))
@@ -307,23 +319,35 @@ class TorchDistReceiver(KVReceiver):
             log.warning("KV receiver %s: cannot answer %s: %s", self.endpoint, pair, e)
             return
         if error is not None:
-            self._stats.bump("handshake_failures", error=error)
-            log.error("KV receiver %s refused %s: %s", self.endpoint, hello.get("sender"), error)
             return
-        threading.Thread(
+        thread = threading.Thread(
             target=self._serve_channel,
-            args=(store.clone(), pair, str(hello.get("sender"))),
+            args=(pair, str(hello.get("sender"))),
             name=f"kv-recv-{pair}",
             daemon=True,
-        ).start()
+        )
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
 
-    def _serve_channel(self, store: TCPStore, pair: str, who: str) -> None:
+    def _serve_channel(self, pair: str, who: str) -> None:
         """Channel thread: build the group, then header -> payload -> scatter -> ack, forever."""
         try:
+            self._serve_group(pair, who)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _serve_group(self, pair: str, who: str) -> None:
+        timeout = timedelta(seconds=self.timeout_s)
+        try:
+            # The channel's own store connection: a group's rendezvous blocks its client.
+            store = TCPStore(self.host, self._port, None, False, timeout, wait_for_workers=False)
             group = PairGroup(store, pair, RECEIVER_RANK, self.device, self.host, self.timeout_s)
-        except KVTransferError as e:
-            self._stats.bump("channels_closed", error=str(e))
-            log.warning("KV receiver %s: channel from %s not built: %s", self.endpoint, who, e)
+        except RuntimeError as e:  # KVTransferError included
+            error = e if isinstance(e, KVTransferError) else classify(e, "store connection")
+            self._stats.bump("handshake_failures", error=str(error))
+            log.warning("KV receiver %s: channel from %s not built: %s", self.endpoint, who, error)
             return
         with self._lock:
             if self._closing.is_set():
@@ -339,6 +363,9 @@ class TorchDistReceiver(KVReceiver):
                 log.warning("KV channel from %s closed: %s", who, e)
             else:
                 self._stats.bump("channels_closed")
+        except Exception as e:  # a bug or an allocation failure: log it, close the channel
+            self._stats.bump("channels_closed", error=repr(e))
+            log.exception("KV channel from %s failed", who)
         else:
             self._stats.bump("channels_closed")
         finally:

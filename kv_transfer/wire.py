@@ -185,7 +185,7 @@ def payload_from_wire(buf: torch.Tensor, layout: KVLayout, num_tokens: int) -> t
 def checksum(buf: torch.Tensor) -> int:
     """CRC-32 of a ``uint8`` tensor's bytes (copied to the CPU first when on a GPU)."""
     data = buf.detach().cpu().contiguous().numpy()
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return zlib.crc32(data.data) & 0xFFFFFFFF  # ndarray.data: a memoryview, no copy
 
 
 __all__ = [
