@@ -137,6 +137,9 @@ class QueuedSender(KVSender):
         TransferTimeoutError when it cannot be reached.
         """
 
+    def _check_peer(self, peer: str) -> None:  # noqa: B027 - optional hook, default accepts all
+        """Raise ValueError when ``peer`` is not an endpoint this backend can reach."""
+
     # -------------------------------------------------------------------------------- API
     def send(
         self,
@@ -152,6 +155,7 @@ class QueuedSender(KVSender):
             raise ValueError(
                 f"peer_endpoint must be a non-empty 'host:port', got {peer_endpoint!r}"
             )
+        self._check_peer(peer_endpoint)
         self._check_kv(kv)
         try:
             token = operator.index(first_token)
@@ -188,7 +192,8 @@ class QueuedSender(KVSender):
         return self._stats.snapshot()
 
     def close(self) -> None:
-        """Close every channel (telling receivers); queued transfers fail."""
+        """Close every channel (telling receivers). Transfers in flight finish; queued ones fail
+        with ChannelClosedError."""
         with self._lock:
             self._closed = True
             peers = list(self._peers.values())
@@ -238,7 +243,15 @@ class _PeerQueue:
                 break
             if not job.future.set_running_or_notify_cancel():
                 continue
-            error = self._run_job(job)
+            if self.sender._closed:
+                self._fail(job, ChannelClosedError("KV sender closed before sending"))
+                continue
+            try:
+                error = self._run_job(job)
+            except Exception as e:  # a bug: fail the transfer instead of killing the queue
+                log.exception("KV transfer %d to %s failed", job.header.transfer_id, self.peer)
+                self._teardown(graceful=False)
+                error = self._fail(job, KVTransferError(f"unexpected error: {e!r}"))
             if error is not None:  # the channel is gone: fail everything queued behind
                 stop = self._fail_queued(error)
         self._teardown(graceful=True)
@@ -333,7 +346,10 @@ class _PeerQueue:
         self.sender._stats.add_record(record)
         job.future.set_result(record)
 
-    def _fail(self, job: _Job, error: KVTransferError, started: float) -> KVTransferError:
+    def _fail(
+        self, job: _Job, error: KVTransferError, started: float | None = None
+    ) -> KVTransferError:
+        """Fail ``job`` with ``error`` (its record attached); ms since ``started``, else 0."""
         outcome = (
             TransferOutcome.TIMEOUT
             if isinstance(error, TransferTimeoutError)
@@ -342,7 +358,7 @@ class _PeerQueue:
         record = TransferRecord(
             job.header.transfer_id,
             0,
-            (time.monotonic() - started) * 1e3,
+            (time.monotonic() - started) * 1e3 if started is not None else 0.0,
             outcome,
             error=str(error),
         )
@@ -370,4 +386,4 @@ class _PeerQueue:
                 else ChannelClosedError
             )
             err = cls(f"not sent: the channel to {self.peer} failed earlier ({cause})")
-            self._fail(job, err, time.monotonic())
+            self._fail(job, err)

@@ -157,6 +157,9 @@ class TorchDistSender(QueuedSender):
         self.wire = wire_backend(self.device)
         self._who = f"{socket.gethostname()}:{os.getpid()}"
 
+    def _check_peer(self, peer: str) -> None:
+        parse_endpoint(peer)
+
     def _connect(self, peer: str) -> PeerChannel:
         host, port = parse_endpoint(peer)
         timeout = timedelta(seconds=self.timeout_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import time
 
 import pytest
@@ -327,3 +328,26 @@ def test_nccl_two_devices_bit_exact() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def test_unreachable_receiver_fails_the_queue_within_the_timeout() -> None:
+    """Nothing listens: the first transfer fails after its 1 s connect timeout, the two queued
+    behind it fail with it, and a malformed endpoint is refused at once."""
+    lay = layout()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free again once closed: nothing listens there
+    tx = TorchDistSender(lay, timeout_s=1.0)
+    try:
+        with pytest.raises(ValueError, match="'host:port' with port 1..65535"):
+            tx.send("127.0.0.1", 1, random_kv(lay, 2, seed=0), 0)
+        t0 = time.monotonic()
+        futs = [tx.send(f"127.0.0.1:{port}", i, random_kv(lay, 2, seed=i), 0) for i in range(3)]
+        errors = [f.exception(timeout=20) for f in futs]
+        assert time.monotonic() - t0 < 5.0
+        assert isinstance(errors[0], ChannelClosedError | TransferTimeoutError)
+        for e in errors[1:]:
+            assert isinstance(e, ChannelClosedError) and "failed earlier" in str(e)
+        assert tx.stats().failures == 3
+    finally:
+        tx.close()
