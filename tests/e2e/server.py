@@ -1,0 +1,86 @@
+"""Start `pdserve serve` as a subprocess on free ports and wait until it serves (e2e helper)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small KV pools and context keep memory low on a shared 2-core machine.
+SMALL = ["--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-model-len", "2048"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    """`pdserve serve ARGS` on free HTTP and gRPC ports; ``stop()`` sends SIGINT, then kills.
+
+    ``env``: extra environment variables for the child (e.g. PDSERVE_API_KEY).
+    """
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.grpc_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="pdserve-e2e-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable, "-m", "pdserve.cli", "serve",
+            "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+            *SMALL, *args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 420.0) -> None:
+        """Poll /health until 200. Raises RuntimeError with the server log on exit or timeout."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"pdserve serve exited ({self.proc.returncode}):\n{self.output()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    if "ready:" in self.output():
+                        return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"pdserve serve not ready after {timeout_s} s:\n{self.output()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGINT (Ctrl-C), wait for a clean exit; SIGKILL the process group if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+        return self.proc.returncode

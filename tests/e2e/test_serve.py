@@ -1,0 +1,229 @@
+"""`pdserve serve` on the bundled SmolLM2, driven as a user would: OpenAI client, gRPC stub, curl-
+style errors, a disconnecting client, and the unified baseline (issue 6 acceptance).
+
+One disaggregated server (1 prefill + 1 decode worker, API key from PDSERVE_API_KEY) serves the
+whole module; the unified comparison starts a second, unified server at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server import ServeProcess
+
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wpb_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+KEY = "e2e-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The chemical symbol for gold is",
+    "In 1969, the first person to walk on the moon was",
+    "A haiku about autumn:",
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    srv = ServeProcess([], env={"PDSERVE_API_KEY": KEY})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("smollm2")
+
+
+def test_openai_client_chat_streamed_and_concurrent(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=24, temperature=0
+    )
+    text = r.choices[0].message.content or ""
+    assert "Paris" in text
+    assert r.usage is not None and r.usage.completion_tokens > 0
+
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finishes, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            finishes.append(c.finish_reason)
+    assert "".join(pieces) == text
+    assert all(f is None for f in finishes[:-1]) and finishes[-1] in ("stop", "length")
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+    async def many() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0)
+        rs = await asyncio.gather(
+            *(
+                aclient.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": f"Say a word about number {i}."}],
+                    max_tokens=8,
+                    temperature=0,
+                )
+                for i in range(16)
+            )
+        )
+        return [x.choices[0].finish_reason for x in rs]
+
+    assert all(f in ("stop", "length") for f in asyncio.run(many()))
+
+
+def test_grpc_streams_the_same_tokens_and_reports_serving(
+    server: ServeProcess, client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    http = client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=0
+    )
+    assert http.choices[0].logprobs is not None
+    http_tokens = http.choices[0].logprobs.tokens
+
+    async def via_grpc() -> tuple[list[int], str, int]:
+        async with grpc.aio.insecure_channel(server.grpc_address) as ch:
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            req = gpb.GenerateRequest(
+                text=PROMPTS[0], sampling=wpb.SamplingParams(max_tokens=12, temperature=0)
+            )
+            ids: list[int] = []
+            text = ""
+            async for r in gpb_grpc.GenerationStub(ch).Generate(req):
+                if r.WhichOneof("response") == "chunk":
+                    ids += [t.token_id for t in r.chunk.tokens]
+                elif r.WhichOneof("response") == "complete":
+                    text = r.complete.text
+            return ids, text, health.status
+
+    ids, text, status = asyncio.run(via_grpc())
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert [tokenizer.decode([i], skip_special_tokens=False) for i in ids] == http_tokens
+    assert text == http.choices[0].text
+
+
+def test_api_key_bad_input_and_recovery(server: ServeProcess, client: openai.OpenAI) -> None:
+    chat = f"{server.url}/v1/chat/completions"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    ok = {"messages": QUESTION, "max_tokens": 4}
+    bad = [
+        ({"messages": QUESTION, "max_tokens": "ten"}, 400),
+        ({"messages": QUESTION, "max_tokens": 0}, 400),
+        ({"messages": QUESTION, "max_tokens": -5}, 400),
+        ({"messages": QUESTION, "n": 0}, 400),
+        ({"messages": "hello"}, 400),
+        ({"messages": QUESTION, "temperature": "hot"}, 400),
+        ({"model": "nope", "messages": QUESTION}, 404),
+    ]
+    for body, status in bad:
+        r = httpx.post(chat, json=body, headers=AUTH, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(chat, content=b"{not json", headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    long = [{"role": "user", "content": "hello " * 3000}]
+    r = httpx.post(chat, json={"messages": long, "max_tokens": 8}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=2048)
+    r = httpx.post(chat, json=ok, headers=AUTH, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_disconnect_frees_kv_on_both_workers_within_2s(server: ServeProcess) -> None:
+    workers = httpx.get(f"{server.url}/admin/workers", headers=AUTH).json()["workers"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"}
+
+    async def stats() -> list[wpb.PrefillStats | wpb.DecodeStats]:
+        out = []
+        for w in workers:
+            async with grpc.aio.insecure_channel(w["grpc_address"]) as ch:
+                if w["role"] == "prefill":
+                    out.append(await wpb_grpc.PrefillServiceStub(ch).GetStats(wpb.StatsRequest()))
+                else:
+                    out.append(await wpb_grpc.DecodeServiceStub(ch).GetStats(wpb.StatsRequest()))
+        return out
+
+    def idle(s: wpb.PrefillStats | wpb.DecodeStats) -> bool:
+        if isinstance(s, wpb.DecodeStats):
+            return (
+                s.num_running == 0
+                and s.num_waiting_for_kv == 0
+                and s.num_waiting == 0
+                and s.kv_blocks_free == s.kv_blocks_total
+            )
+        return s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_used == 0
+
+    body = {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120
+    ) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 5:
+                break
+        assert not all(idle(s) for s in asyncio.run(stats()))  # it was running
+    t0 = time.monotonic()
+    while True:
+        current = asyncio.run(stats())
+        if all(idle(s) for s in current):
+            break
+        assert time.monotonic() - t0 < 2.0, f"workers still busy 2 s after disconnect: {current}"
+        time.sleep(0.05)
+
+
+def test_unified_server_matches_disaggregated_greedy(client: openai.OpenAI) -> None:
+    def outputs(c: openai.OpenAI) -> list[str]:
+        r = c.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=16, temperature=0)
+        return [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+
+    disaggregated = outputs(client)
+    unified = ServeProcess(["--mode", "unified"])
+    try:
+        unified.wait_ready()
+        uclient = openai.OpenAI(base_url=f"{unified.url}/v1", api_key="none", max_retries=0)
+        assert outputs(uclient) == disaggregated
+    finally:
+        assert unified.stop() == 0, unified.output()
