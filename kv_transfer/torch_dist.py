@@ -80,7 +80,8 @@ HELLO_QUEUE = "pdkv/hello"
 PAIR_COUNTER = "pdkv/pairs"
 ACCEPT_POLL_S = 0.02  # how often the accept thread looks for new senders (adds to connect time)
 CLOSE_TIMEOUT_S = 2.0  # bound on the goodbye header of a graceful close
-CLOSE_JOIN_S = 0.5  # how long close() waits for channel threads to finish their teardown
+CLOSE_JOIN_S = 5.0  # how long close() waits for channel threads to finish their teardown
+CLOSE_GRACE_S = 0.2  # ... and for idle ones, in case a goodbye header is arriving
 
 
 def _remaining(deadline: float) -> float:
@@ -232,6 +233,7 @@ class TorchDistReceiver(KVReceiver):
         self._lock = threading.Lock()
         self._groups: set[PairGroup] = set()
         self._threads: set[threading.Thread] = set()  # channel threads still running
+        self._idle: set[threading.Thread] = set()  # those waiting for the next header
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-accept-{self._port}", daemon=True
         )
@@ -273,10 +275,17 @@ class TorchDistReceiver(KVReceiver):
             g.abort()
         # Let channels that are tearing down finish here: a process that exits while a thread
         # is still destroying its gloo group aborts ("terminate called without an active
-        # exception"). Threads blocked in an idle header wait cannot be woken; they stay.
-        deadline = time.monotonic() + CLOSE_JOIN_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        # exception"). Threads blocked in an idle header wait cannot be woken; they stay, but
+        # get a moment to see a goodbye header already on its way.
+        start = time.monotonic()
+        while True:
+            with self._lock:
+                alive = [t for t in threads if t in self._threads]
+                busy = [t for t in alive if t not in self._idle]
+            elapsed = time.monotonic() - start
+            if not alive or elapsed > CLOSE_JOIN_S or (not busy and elapsed > CLOSE_GRACE_S):
+                break
+            time.sleep(0.01)
         self._store = None  # the master store's server stops with its last reference
 
     # ----------------------------------------------------------------------------- threads
@@ -381,12 +390,18 @@ class TorchDistReceiver(KVReceiver):
         dev = self.device
         hdr = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=dev)
         staging = torch.empty(0, dtype=torch.uint8, device=dev)  # reused payload buffer
+        me = threading.current_thread()
         while True:
+            with self._lock:
+                self._idle.add(me)
             try:
                 group.recv(hdr, TAG_HEADER, self.idle_timeout_s)
             except TransferTimeoutError:
                 log.info("KV channel idle for %.0f s: closing it", self.idle_timeout_s)
                 return
+            finally:
+                with self._lock:
+                    self._idle.discard(me)
             header = Header.from_tensor(hdr)
             if header.kind is MessageKind.CLOSE:
                 return
