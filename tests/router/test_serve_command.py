@@ -1,0 +1,95 @@
+"""`pdserve serve` / `pdserve router` flag handling, environment variables and port binding."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from pdserve import env
+from pdserve.commands import router as router_cmd
+from pdserve.commands import serve
+from pdserve.config import ConfigError
+from router.server import bind_socket
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    serve.register(sub)
+    router_cmd.register(sub)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_build_a_disaggregated_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(env.API_KEY, raising=False)
+    monkeypatch.delenv(env.RAY_ADDRESS, raising=False)
+    plan = serve.build_plan(parse("serve", "--device", "cpu"))
+    s = plan.serve
+    assert (s.mode, s.num_prefill_workers, s.num_decode_workers) == ("disaggregated", 1, 1)
+    assert (s.host, s.port, s.grpc_port) == ("0.0.0.0", 8000, 50051)
+    assert plan.model_name == "smollm2" and plan.max_model_len == 8192
+    assert s.engine.scheduler.max_model_len == 8192 and s.engine.cache.enable_prefix_caching
+    assert s.api_key is None and s.ray_address is None
+
+
+def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.API_KEY, " from-env ")
+    monkeypatch.setenv(env.RAY_ADDRESS, "10.0.0.1:6379")
+    args = parse(
+        "serve", "--device", "cpu", "--mode", "unified", "--max-model-len", "1024",
+        "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", "32",
+        "--no-enable-prefix-caching", "--max-num-seqs", "8",
+    )  # fmt: skip
+    plan = serve.build_plan(args)
+    s = plan.serve
+    assert s.mode == "unified" and s.num_prefill_workers == 0
+    assert s.api_key == "from-env" and s.ray_address == "10.0.0.1:6379"
+    assert plan.model_name == "tiny" and plan.max_model_len == 1024
+    assert s.engine.load.dtype == "bfloat16" and s.engine.cache.block_size == 32
+    assert not s.engine.cache.enable_prefix_caching and s.engine.scheduler.max_num_seqs == 8
+    args = parse("serve", "--device", "cpu", "--api-key", "flag")
+    assert serve.build_plan(args).serve.api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-model-len", "100000"], "exceeds the model's context length"),
+        (["--kv-cache-memory-bytes", "1000000"], "raise --kv-cache-memory-bytes"),
+        (["--block-size", "12"], "--block-size"),
+        (["--num-decode-workers", "0"], "--num-decode-workers"),
+        (["--model", "/nonexistent/model"], "not found"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        serve.build_plan(parse("serve", "--device", "cpu", *argv))
+
+
+def test_log_level_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.LOG_LEVEL, "warning")
+    assert env.log_level() == logging.WARNING
+    monkeypatch.setenv(env.LOG_LEVEL, "loud")
+    with pytest.raises(ValueError, match="PDSERVE_LOG_LEVEL"):
+        env.log_level()
+
+
+def test_router_command_needs_a_ray_address(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(env.RAY_ADDRESS, raising=False)
+    assert router_cmd.run(parse("router")) == 2
+    assert "--ray-address" in capsys.readouterr().err
+
+
+def test_taken_port_names_the_flag() -> None:
+    first = bind_socket("127.0.0.1", 0, "--port")
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(RuntimeError, match="choose another --port"):
+            bind_socket("127.0.0.1", port, "--port")
+    finally:
+        first.close()
