@@ -17,6 +17,7 @@ any failure marks the group broken.
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -69,6 +70,14 @@ def classify(error: BaseException, what: str) -> KVTransferError:
     return ChannelClosedError(text)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A posted send or receive (``work``) and what it is, for error messages."""
+
+    work: Any  # torch.distributed Work
+    what: str
+
+
 class PairGroup:
     """The process group of one pair plus timed point-to-point operations.
 
@@ -113,28 +122,38 @@ class PairGroup:
 
     def send(self, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
         """Send ``tensor`` to the peer; wait at most ``timeout_s``. Raises KVTransferError."""
-        self._run("send", tensor, tag, timeout_s)
+        self.wait(self.post("send", tensor, tag), timeout_s)
 
     def recv(self, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
         """Receive into ``tensor`` from the peer; wait at most ``timeout_s``."""
-        self._run("recv", tensor, tag, timeout_s)
+        self.wait(self.post("recv", tensor, tag), timeout_s)
 
-    def _run(self, op: str, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
+    def post(self, op: str, tensor: torch.Tensor, tag: int) -> Pending:
+        """Start a ``'send'`` or ``'recv'`` without waiting (finish it with :meth:`wait`)."""
         if self.broken:
             raise ChannelClosedError(f"{self.backend} group is closed")
-        if timeout_s <= 0:
-            self.broken = True
-            raise TransferTimeoutError(f"{op} timed out before it started")
+        what = f"{self.backend} {op} of {tensor.numel()} elements"
         try:
             if op == "send":
                 work = self.pg.send([tensor], self.peer, tag)
             else:
                 work = self.pg.recv([tensor], self.peer, tag)
-            # NOTE: timedelta(0) would mean "the group's default"; keep at least 1 ms.
-            work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
         except RuntimeError as e:
             self.broken = True
-            raise classify(e, f"{self.backend} {op} of {tensor.numel()} elements") from e
+            raise classify(e, what) from e
+        return Pending(work, what)
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        """Wait for a posted operation at most ``timeout_s``. Raises KVTransferError."""
+        if timeout_s <= 0:
+            self.broken = True
+            raise TransferTimeoutError(f"{pending.what}: no time left")
+        try:
+            # NOTE: timedelta(0) would mean "the group's default"; keep at least 1 ms.
+            pending.work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
+        except RuntimeError as e:
+            self.broken = True
+            raise classify(e, pending.what) from e
 
     def abort(self) -> None:
         """Close the group's connections (the peer sees them close). Idempotent."""

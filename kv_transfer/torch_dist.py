@@ -101,26 +101,30 @@ class _Channel(PeerChannel):
         self.idle_limit_s = idle_limit_s
 
     def transfer(self, header: Header, payload: torch.Tensor, deadline: float) -> Ack:
-        dev = self.group.device
+        g, dev = self.group, self.group.device
+        # Post the ack receive and the payload send up front: each message then flows as soon
+        # as the receiver is ready for it, without a wake-up of this thread in between.
+        ack = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=dev)
         try:
-            self.group.send(header.to_tensor(dev), TAG_HEADER, _remaining(deadline))
+            ack_recv = g.post("recv", ack, TAG_ACK)
+            head = g.post("send", header.to_tensor(dev), TAG_HEADER)
+            body = g.post("send", payload, TAG_PAYLOAD) if header.payload_bytes else None
+            g.wait(head, _remaining(deadline))
         except ChannelClosedError as e:
             # The receiver only drops a channel while waiting for a header (idle or closing)
             # or after it died: it did not take this transfer.
             raise StaleChannelError(str(e)) from e
-        if header.payload_bytes:
-            self.group.send(payload, TAG_PAYLOAD, _remaining(deadline))
-        ack = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=dev)
-        self.group.recv(ack, TAG_ACK, _remaining(deadline))
+        if body is not None:
+            g.wait(body, _remaining(deadline))
+        g.wait(ack_recv, _remaining(deadline))
         return Ack.from_tensor(ack)
 
     def ping(self, deadline: float) -> None:
-        dev = self.group.device
-        self.group.send(
-            Header(kind=MessageKind.PING).to_tensor(dev), TAG_HEADER, _remaining(deadline)
-        )
+        g, dev = self.group, self.group.device
         ack = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=dev)
-        self.group.recv(ack, TAG_ACK, _remaining(deadline))
+        ack_recv = g.post("recv", ack, TAG_ACK)
+        g.send(Header(kind=MessageKind.PING).to_tensor(dev), TAG_HEADER, _remaining(deadline))
+        g.wait(ack_recv, _remaining(deadline))
         Ack.from_tensor(ack)
 
     def close(self, graceful: bool) -> None:
