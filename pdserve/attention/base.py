@@ -26,7 +26,8 @@ from pdserve.config import ConfigError
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """One sequence of the batch with ``query_len > 1`` (or any chunk after cached tokens).
+    """A sequence attended on its own: a prefill chunk (``query_len > 1``, from position 0 or
+    after cached tokens) or a one-token prompt.
 
     ``start``/``end``: its query rows in the flat batch. ``num_computed``: tokens already in the
     pool before this step. ``seq_len``: ``num_computed + (end - start)``. ``block_ids``: the blocks
@@ -48,6 +49,7 @@ class AttentionMetadata:
     """Per-step attention inputs shared by every layer.
 
     Tensors (all on the model's device):
+      positions:       int64 [num_tokens]  position of each token in its sequence (for RoPE).
       slot_mapping:    int64 [num_tokens]  pool slot of each new token's K/V.
       query_start_loc: int64 [num_seqs + 1] cumulative query lengths.
       seq_lens:        int64 [num_seqs]    context length after this step (cached + new tokens).
@@ -61,6 +63,7 @@ class AttentionMetadata:
     """
 
     block_size: int
+    positions: torch.Tensor
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -101,64 +104,62 @@ class AttentionMetadata:
                 f"query_lens, num_computed and block_tables must have one entry per sequence "
                 f"(got {n}, {len(num_computed)}, {len(block_tables)})"
             )
-        slots: list[torch.Tensor] = []
-        starts = [0]
-        prefills: list[PrefillSpan] = []
-        decode_idx: list[int] = []
+        qlens = [int(q) for q in query_lens]
+        ctx = [int(c) for c in num_computed]
+        max_blocks = 1
         for i in range(n):
-            q, c, table = int(query_lens[i]), int(num_computed[i]), block_tables[i]
+            q, c, nb = qlens[i], ctx[i], len(block_tables[i])
             if q < 1 or c < 0:
                 raise ValueError(f"sequence {i}: query_len must be >= 1 and num_computed >= 0")
-            seq_len = c + q
-            need = -(-seq_len // block_size)
-            if len(table) < need:
+            need = -(-(c + q) // block_size)
+            if nb < need:
                 raise ValueError(
-                    f"sequence {i}: block table has {len(table)} blocks but {seq_len} tokens "
+                    f"sequence {i}: block table has {nb} blocks but {c + q} tokens "
                     f"need {need} blocks of {block_size}"
                 )
-            blocks = torch.tensor(list(table[:need]), dtype=torch.int64)
-            pos = torch.arange(c, seq_len, dtype=torch.int64)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            if q == 1 and c > 0:
-                decode_idx.append(i)
-            else:
-                mask = None
-                if c > 0:
-                    # query row r sits at position c + r and may see keys 0 .. c + r
-                    kpos = torch.arange(seq_len)
-                    mask = kpos[None, :] <= (c + torch.arange(q))[:, None]
-                    mask = mask.to(device)
-                prefills.append(
-                    PrefillSpan(starts[-1], starts[-1] + q, c, seq_len, blocks.to(device), mask)
-                )
-            starts.append(starts[-1] + q)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        tables = torch.zeros((n, max(max_blocks, 1)), dtype=torch.int64)
-        for i, t in enumerate(block_tables):
-            if t:
-                tables[i, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
-        seq_lens = torch.tensor(
-            [c + q for c, q in zip(num_computed, query_lens, strict=True)], dtype=torch.int64
-        )
+            max_blocks = max(max_blocks, nb)
+        tables = torch.tensor(
+            [list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64
+        ).view(n, max_blocks)
+        q_t = torch.tensor(qlens, dtype=torch.int64)
+        c_t = torch.tensor(ctx, dtype=torch.int64)
+        qsl = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(q_t, 0, out=qsl[1:])
+        seq_lens = c_t + q_t
+        # per token: its sequence and position (vectorised, no per-token Python)
+        seq_of = torch.repeat_interleave(torch.arange(n), q_t)
+        positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of] + c_t[seq_of]
+        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
 
-        d_seq_lens = seq_lens[decode_idx]
-        d_nblocks = int((-(-d_seq_lens.max() // block_size)).item()) if decode_idx else 1
-        d_blocks = tables[decode_idx, :d_nblocks] if decode_idx else tables[:0, :1]
-        d_mask = (torch.arange(d_nblocks * block_size)[None, :] < d_seq_lens[:, None]).view(
-            len(decode_idx), 1, 1, d_nblocks * block_size
-        )
-        qsl = torch.tensor(starts, dtype=torch.int64)
+        decode_idx = [i for i in range(n) if qlens[i] == 1 and ctx[i] > 0]
+        prefills = []
+        for i in range(n):
+            q, c = qlens[i], ctx[i]
+            if q == 1 and c > 0:
+                continue
+            mask = None
+            if c > 0:
+                # query row r sits at position c + r and may see keys 0 .. c + r
+                mask = torch.arange(c + q)[None, :] <= (c + torch.arange(q))[:, None]
+                mask = mask.to(device)
+            start = int(qsl[i])
+            blocks = tables[i, : -(-(c + q) // block_size)].to(device)
+            prefills.append(PrefillSpan(start, start + q, c, c + q, blocks, mask))
+
+        d_idx = torch.tensor(decode_idx, dtype=torch.int64)
+        d_seq_lens = seq_lens[d_idx]
+        d_nblocks = int(-(-int(d_seq_lens.max()) // block_size)) if decode_idx else 1
+        d_mask = torch.arange(d_nblocks * block_size)[None, :] < d_seq_lens[:, None]
         return cls(
             block_size=block_size,
-            slot_mapping=(torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)).to(
-                device
-            ),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
             query_start_loc=qsl.to(device),
             seq_lens=seq_lens.to(device),
             block_tables=tables.to(device),
-            decode_rows=qsl[decode_idx].to(device),
-            decode_blocks=d_blocks.to(device),
-            decode_mask=d_mask.to(device),
+            decode_rows=qsl[d_idx].to(device),
+            decode_blocks=tables[d_idx, :d_nblocks].to(device),
+            decode_mask=d_mask.view(len(decode_idx), 1, 1, d_nblocks * block_size).to(device),
             prefills=tuple(prefills),
         )
 

@@ -75,11 +75,7 @@ class ModelRunner:
         model dtype. Raises ValueError (named request) for an empty chunk, an out-of-vocab token,
         or a block table that is too short or out of range."""
         self._check(batch)
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        for seq in batch:
-            ids.extend(seq.token_ids)
-            positions.append(torch.arange(seq.num_computed, seq.num_tokens_after))
+        ids = [t for seq in batch for t in seq.token_ids]
         meta = AttentionMetadata.build(
             [len(s.token_ids) for s in batch],
             [s.num_computed for s in batch],
@@ -89,7 +85,7 @@ class ModelRunner:
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.cat(positions).to(self.device),
+            meta.positions,
             meta,
             self._kv_caches,
         )  # [num_tokens, hidden]
