@@ -100,4 +100,5 @@ def record_to_proto(r: TransferRecord) -> pb.TransferRecord:
         ms=r.ms,
         outcome=str(r.outcome),
         path=r.path,
+        error=r.error or "",
     )

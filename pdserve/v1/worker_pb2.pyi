@@ -51,18 +51,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TransferRecord(_message.Message):
-    __slots__ = ("transfer_id", "bytes", "ms", "outcome", "path")
+    __slots__ = ("transfer_id", "bytes", "ms", "outcome", "path", "error")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     bytes: int
     ms: float
     outcome: str
     path: str
-    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., ms: _Optional[float] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., ms: _Optional[float] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transfer_id", "kv_endpoint", "decode_worker_id")
