@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server import ServeProcess
+from serve_process import ServeProcess
 
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from pdserve.v1 import generate_pb2 as gpb
