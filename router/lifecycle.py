@@ -478,7 +478,10 @@ class RequestLifecycle:
             self.cached_tokens = resp.cached_tokens
         kv_sent = resp.transfer.outcome in ("", "ok")
         if not kv_sent:
-            log.warning("%s: KV transfer %s", leg.attempt_id, resp.transfer.outcome)
+            log.warning(
+                "%s: KV transfer %s (%s); re-placing",
+                leg.attempt_id, resp.transfer.outcome, resp.transfer.error or "no cause given",
+            )  # fmt: skip
         return rpc.token_from_proto(resp.token), kv_sent
 
     def _prefill_failed(
