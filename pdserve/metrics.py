@@ -91,6 +91,23 @@ REQUEST_ERRORS = Counter(
     "pdserve_request_errors", "Requests answered with an error, by HTTP status code.", ["code"]
 )
 
+# -- prefill phases (reported by prefill workers in PrefillResponse) ------------------------------
+PREFILL_QUEUE_TIME = Histogram(
+    "pdserve_prefill_queue_seconds",
+    "Time a prompt waited on its prefill worker before its first chunk ran.",
+    buckets=_LATENCY_BUCKETS,
+)
+PREFILL_COMPUTE_TIME = Histogram(
+    "pdserve_prefill_compute_seconds",
+    "Time from a prompt's first prefill chunk to token 1 on the prefill worker.",
+    buckets=_LATENCY_BUCKETS,
+)
+PREFILL_TRANSFER_TIME = Histogram(
+    "pdserve_prefill_transfer_seconds",
+    "Time the prefill worker spent sending a prompt's KV (as it reports it).",
+    buckets=_LATENCY_BUCKETS,
+)
+
 # -- KV transfer (reported by prefill workers in PrefillResponse) ---------------------------------
 KV_TRANSFER_BYTES = Counter(
     "pdserve_kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers."
@@ -129,6 +146,13 @@ def observe_transfer(num_bytes: int, ms: float, outcome: str, path: str) -> None
     if path != "local":
         KV_TRANSFER_BYTES.inc(num_bytes)
         KV_TRANSFER_SECONDS.observe(ms / 1000.0)
+
+
+def observe_prefill(queue_ms: float, compute_ms: float, transfer_ms: float) -> None:
+    """Record one prefill's phases as its worker reported them (milliseconds)."""
+    PREFILL_QUEUE_TIME.observe(queue_ms / 1000.0)
+    PREFILL_COMPUTE_TIME.observe(compute_ms / 1000.0)
+    PREFILL_TRANSFER_TIME.observe(transfer_ms / 1000.0)
 
 
 def set_worker_load(

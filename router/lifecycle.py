@@ -47,7 +47,7 @@ from typing import Any
 
 import grpc
 
-from pdserve import rpc
+from pdserve import metrics, rpc
 from pdserve.engine.batch import SampledToken
 from pdserve.kv_cache.block_pool import prefix_block_hashes
 from pdserve.sampling_params import SamplingParams
@@ -474,6 +474,7 @@ class RequestLifecycle:
             worker.inflight_tokens -= len(tokens)
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
+        metrics.observe_prefill(resp.queue_ms, resp.compute_ms, resp.transfer_ms)
         if not self.output:
             self.cached_tokens = resp.cached_tokens
         kv_sent = resp.transfer.outcome in ("", "ok")
