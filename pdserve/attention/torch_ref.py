@@ -6,6 +6,10 @@ Decodes (one query token each) run as one batched SDPA call over their block tab
 one SDPA call per sequence: a chunk starting at position 0 attends causally to its own fresh K/V
 (no gather); a chunk continuing after cached tokens gathers its blocks and uses an explicit mask
 (key ``j`` visible to query row ``r`` iff ``j <= num_computed + r``).
+
+On CPU, half-precision inputs are attended in float32 (cast in, result cast back): torch's CPU
+SDPA kernels are several times slower in bfloat16 than in float32 for these shapes (measured on
+this project's CPU machine), and float32 scores are also more accurate.
 """
 
 from __future__ import annotations
@@ -36,6 +40,27 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return out.view(*block_ids.shape[:-1], -1, *cache.shape[-2:])
 
 
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA over [..., heads, len, head_dim] tensors (GQA when k has fewer heads than q); causal
+    when ``mask`` is None. Output in q's dtype."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[-3] != k.shape[-3],
+    )  # fmt: skip
+    return o.to(dtype)
+
+
 @register_backend("torch_ref")
 class TorchRefBackend(AttentionBackend):
     """SDPA over gathered blocks (CPU and CUDA; exact reference for other backends)."""
@@ -51,34 +76,22 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        gqa = q.shape[1] != k.shape[1]
         if meta.num_decodes == q.shape[0]:
             # decode-only step: no per-sequence work at all
-            return self._decode(q, k_cache, v_cache, meta, scale, gqa)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
             rows = meta.decode_rows
-            out.index_copy_(0, rows, self._decode(q[rows], k_cache, v_cache, meta, scale, gqa))
+            out.index_copy_(0, rows, self._decode(q[rows], k_cache, v_cache, meta, scale))
         for span in meta.prefills:
             qs = q[span.start : span.end].transpose(0, 1)  # [H, q_len, D]
-            if span.mask is None:
+            if span.mask is None:  # chunk from position 0: its own fresh K/V, causal
                 ks = k[span.start : span.end].transpose(0, 1)
                 vs = v[span.start : span.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-                )
             else:
                 ks = _gather(k_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
                 vs = _gather(v_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    qs,
-                    ks.to(q.dtype),
-                    vs.to(q.dtype),
-                    attn_mask=span.mask,
-                    scale=scale,
-                    enable_gqa=gqa,
-                )
-            out[span.start : span.end] = o.transpose(0, 1)
+            out[span.start : span.end] = _sdpa(qs, ks, vs, span.mask, scale).transpose(0, 1)
         return out
 
     @staticmethod
@@ -88,12 +101,8 @@ class TorchRefBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        gqa: bool,
     ) -> torch.Tensor:
         """q [num_decodes, H, D] -> [num_decodes, H, D] over each sequence's gathered context."""
-        ks = _gather(k_cache, meta.decode_blocks).transpose(1, 2).to(q.dtype)  # [N, Hkv, L, D]
-        vs = _gather(v_cache, meta.decode_blocks).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )  # [N, H, 1, D]
-        return o.squeeze(2)
+        ks = _gather(k_cache, meta.decode_blocks).transpose(1, 2)  # [N, Hkv, L, D]
+        vs = _gather(v_cache, meta.decode_blocks).transpose(1, 2)
+        return _sdpa(q.unsqueeze(2), ks, vs, meta.decode_mask, scale).squeeze(2)
