@@ -433,9 +433,10 @@ class PrefillEngine:
     def check_integrity(self) -> None:
         """Assert engine, scheduler and KV bookkeeping agree. Raises AssertionError."""
         with self._lock:
+            live = self.scheduler.num_waiting + self.scheduler.num_running
             if (
-                set(self._pending) != {rid for rid in self._pending if rid in self.scheduler}
-                or len(self._pending) != self.scheduler.num_waiting + self.scheduler.num_running
+                any(rid not in self.scheduler for rid in self._pending)
+                or len(self._pending) != live
             ):
                 raise AssertionError("engine requests disagree with the scheduler")
             self.scheduler.check_integrity()

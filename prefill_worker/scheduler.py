@@ -23,8 +23,8 @@ Policy (first-come-first-served with a bounded delay for short prompts):
 The bound: a short prompt (remainder <= T) that reaches the head of the short requests is
 scheduled within one step, and the short prompts ahead of it are served at >= ``B - T`` tokens
 per step, so its wait is at most ``ceil(short tokens ahead / (B - T)) + 1`` steps regardless of
-how many long prompts arrived before it (given KV room). A long prompt progresses by at least
-``T`` tokens per step once it is the earliest long request.
+how many long prompts arrived before it (given KV room and ``max_num_seqs``). A long prompt
+progresses by at least ``T`` tokens per step once it is the earliest long request.
 
 With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no T cap; config ensures
 ``B >= max_model_len``).
