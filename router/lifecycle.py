@@ -112,6 +112,10 @@ async def drain_background(timeout_s: float = 5.0) -> None:
         await asyncio.wait(list(_background), timeout=timeout_s)
 
 
+# seconds a KV reservation outlives the Prefill call's own timeout (transfer + ack time)
+_KV_MARGIN_S = 30.0
+
+
 class IllegalTransition(RuntimeError):
     """A transition not in the state machine; always a router bug."""
 
@@ -122,7 +126,9 @@ class LifecycleConfig:
 
     ``unified``: always prefill on the decode worker. ``accept_timeout_s``: wait for ``Accepted``.
     ``prefill_timeout_s``: one Prefill call. ``kv_timeout_s``: how long D keeps a reservation
-    waiting for KV (0 = the worker's default). ``no_worker_timeout_s``: how long to wait for any
+    waiting for KV (0 = ``prefill_timeout_s`` plus a margin: a prompt may queue on a busy prefill
+    worker for most of its Prefill call, and the reservation must outlive that wait; the router
+    aborts it at once when the prefill fails). ``no_worker_timeout_s``: how long to wait for any
     decode worker to appear before failing with 503. ``max_prefill_attempts``: failed prefills
     tolerated per sequence. ``max_replacements``: re-placements (preemptions + broken streams)
     tolerated per sequence. ``max_backoff_s``: ceiling of the wait between rounds when every
@@ -373,7 +379,7 @@ class RequestLifecycle:
             sampling=self._sampling_pb,
             prefill_locally=local,
             deadline_unix_ms=self._deadline_unix_ms(),
-            kv_timeout_s=self.config.kv_timeout_s,
+            kv_timeout_s=self.config.kv_timeout_s or self.config.prefill_timeout_s + _KV_MARGIN_S,
         )
         timeout = min(self._remaining(), self.config.accept_timeout_s)
         leg = _Leg(worker, worker.client.decode(req), attempt_id, blocks)
