@@ -10,7 +10,8 @@ For each dtype and batch size B, in one run on one machine, on the same weights:
   prompts, greedy, with ``max_new_tokens`` = 1 and 1 + S (S = new tokens - 1); the decode time is
   the difference, so the prefill cancels out; throughput = B * S / that time.
 
-Each point is the best of ``--repeats`` runs (the machine may be shared). Prints a markdown table
+Each point is the best of ``--repeats`` runs, the two engines' runs interleaved so that both
+see the same machine load (the machine may be shared). Prints a markdown table
 for docs/benchmarks.md.
 
 Usage::
@@ -38,24 +39,16 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
-def bench_pdserve(
-    engine: OfflineEngine, prompts: list[list[int]], new_tokens: int, repeats: int
-) -> float:
-    """Best decode tokens/s over ``repeats`` generate calls."""
+def bench_pdserve(engine: OfflineEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of one generate call."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    best = 0.0
-    for _ in range(repeats):
-        engine.generate(prompts, params)
-        st = engine.stats
-        best = max(best, st.decode_tokens / st.decode_s)
-    return best
+    engine.generate(prompts, params)
+    return engine.stats.decode_tokens / engine.stats.decode_s
 
 
 @torch.inference_mode()
-def bench_transformers(
-    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, repeats: int
-) -> float:
-    """Best decode tokens/s: (generate 1 + S tokens) - (generate 1 token), over ``repeats``."""
+def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s: (generate 1 + S tokens) - (generate 1 token)."""
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
@@ -68,11 +61,7 @@ def bench_transformers(
         return time.perf_counter() - t0
 
     steps = new_tokens - 1
-    best = 0.0
-    for _ in range(repeats):
-        decode_s = timed(1 + steps) - timed(1)
-        best = max(best, len(prompts) * steps / max(decode_s, 1e-9))
-    return best
+    return len(prompts) * steps / max(timed(1 + steps) - timed(1), 1e-9)
 
 
 def main() -> None:
@@ -81,8 +70,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = p.parse_args()
@@ -108,8 +97,11 @@ def main() -> None:
         vocab = engine.runner.model_config.vocab_size
         for b in batches:
             prompts = _prompts(b, args.prompt_len, vocab, seed=b)
-            ours = bench_pdserve(engine, prompts, args.new_tokens, args.repeats)
-            ref = bench_transformers(hf, prompts, args.new_tokens, args.repeats) if hf else 0.0
+            ours = ref = 0.0
+            for _ in range(args.repeats):  # interleaved, so both see the same machine load
+                ours = max(ours, bench_pdserve(engine, prompts, args.new_tokens))
+                if hf is not None:
+                    ref = max(ref, bench_transformers(hf, prompts, args.new_tokens))
             rows.append((dtype, b, ours, ref))
             print(f"# {dtype} B={b}: pdserve {ours:.1f} tok/s, transformers {ref:.1f} tok/s",
                   flush=True)  # fmt: skip
