@@ -104,7 +104,12 @@ class ModelConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            rope = cfg.get("rope_scaling") or None
+            # transformers 5 writes `rope_parameters` {rope_theta, rope_type, ...} in place of
+            # `rope_theta` + `rope_scaling`; read either spelling.
+            params = cfg.get("rope_parameters") or {}
+            rope = cfg.get("rope_scaling") or (
+                params if params.get("rope_type", "default") != "default" else None
+            )
             scaling = None
             if rope:
                 rtype = rope.get("rope_type", rope.get("type", "default"))
@@ -133,7 +138,7 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(

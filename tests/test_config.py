@@ -63,3 +63,18 @@ def test_blocks_for_memory() -> None:
     cache = CacheConfig(kv_cache_memory_bytes=2**30)
     per_block = 2 * 28 * 4 * 128 * 2 * 16
     assert cache.blocks_for(cfg, "bfloat16") == 2**30 // per_block
+
+
+def test_transformers5_rope_parameters() -> None:
+    """transformers 5 stores theta and scaling under `rope_parameters`."""
+    d = {k: v for k, v in QWEN_7B.items() if k != "rope_theta"}
+    d["architectures"] = ["LlamaForCausalLM"]
+    d["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3"
+    d["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
