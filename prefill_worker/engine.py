@@ -123,6 +123,7 @@ class PrefillEngine:
         self._counters = _Counters()
         self._started_at = time.monotonic()
         self._owns_sender = False
+        self._closed = False
 
     @classmethod
     def build(
@@ -156,10 +157,13 @@ class PrefillEngine:
 
         Raises PrefillError at once: INVALID_ARGUMENT (empty prompt, a token id outside the
         vocabulary, a prompt leaving no room for one output token under the model limit, bad
-        ``num_output_tokens``, a stop token id outside the vocabulary), RESOURCE_EXHAUSTED (the prompt needs more KV blocks than the pool
-        has), ALREADY_EXISTS (id in use), UNAVAILABLE (a target but no KV sender),
-        DEADLINE_EXCEEDED (deadline already past).
+        ``num_output_tokens``, a stop token id outside the vocabulary), RESOURCE_EXHAUSTED (the
+        prompt needs more KV blocks than the pool has), ALREADY_EXISTS (id in use), UNAVAILABLE
+        (a target but no KV sender, or the engine was shut down), DEADLINE_EXCEEDED (deadline
+        already past).
         """
+        if self._closed:
+            raise PrefillError(UNAVAILABLE, "prefill worker is shutting down")
         self._validate(request)
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
@@ -377,6 +381,7 @@ class PrefillEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop thread, fail every live request with UNAVAILABLE, and close the KV
         sender when the engine built it."""
+        self._closed = True
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

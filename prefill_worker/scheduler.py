@@ -54,7 +54,6 @@ class PrefillSeq:
     num_computed: int = 0
     num_cached: int = 0
     first_scheduled: float | None = None
-    stats_recorded: bool = False
 
     @property
     def request_id(self) -> str:
@@ -232,18 +231,15 @@ class PrefillScheduler:
         return out
 
     def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
-        """Prefix-cache hit for a waiting request; counted in the hit rate once per request."""
-        hit = self.kv.get_computed_blocks(
-            seq.request.prompt_token_ids, record_stats=not seq.stats_recorded
-        )
-        seq.stats_recorded = True
-        return hit
+        """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted."""
+        return self.kv.get_computed_blocks(seq.request.prompt_token_ids, record_stats=False)
 
     def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:
         """Reserve blocks for the whole prompt, reusing the cached ``blocks`` (looked up just
         before, with no allocation in between). WAITING -> RUNNING; False when no room."""
         if self.kv.allocate_slots(seq.request_id, seq.num_tokens, blocks) is None:
             return False
+        self.kv.record_prefix_query(seq.num_tokens, cached)  # the hit rate counts admissions
         seq.num_cached = cached
         seq.num_computed = cached
         seq.state = PrefillState.RUNNING

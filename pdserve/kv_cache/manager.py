@@ -108,6 +108,14 @@ class KVCacheManager:
             self._hit_tokens += num_cached
         return blocks, num_cached
 
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache query in ``prefix_cache_stats`` (for callers that look up with
+        ``record_stats=False`` and count once, when the request is admitted)."""
+        if not 0 <= num_hit_tokens <= num_query_tokens:
+            raise ValueError(f"hit tokens {num_hit_tokens} not in [0, {num_query_tokens}]")
+        self._query_tokens += num_query_tokens
+        self._hit_tokens += num_hit_tokens
+
     # ----------------------------------------------------------------------------- allocation
     def allocate_slots(
         self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()

@@ -55,6 +55,10 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token() -> None:
     assert mgr.prefix_cache_stats == (11 + 13 + 8 + 13, 0 + 8 + 4 + 8)
     mgr.get_computed_blocks(sys_prompt + [5], record_stats=False)
     assert mgr.prefix_cache_stats == (45, 20)
+    mgr.record_prefix_query(9, 8)
+    assert mgr.prefix_cache_stats == (54, 28)
+    with pytest.raises(ValueError, match="hit tokens"):
+        mgr.record_prefix_query(4, 8)
     mgr.check_integrity()
 
 

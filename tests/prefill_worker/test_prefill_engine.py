@@ -247,3 +247,6 @@ def test_shutdown_fails_live_requests() -> None:
     eng.shutdown()
     assert f.exception(0).code == UNAVAILABLE  # type: ignore[union-attr]
     assert not eng.has_work()
+    with pytest.raises(PrefillError) as e:
+        eng.add_request(_req("late", prompt(10, seed=1)))
+    assert e.value.code == UNAVAILABLE
