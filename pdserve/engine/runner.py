@@ -17,6 +17,7 @@ from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import SampledToken, ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
+from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
 
@@ -25,15 +26,26 @@ class ModelRunner:
     """Owns the model weights, the paged KV pool and the sampler of one worker.
 
     ``model_config``: given, it overrides the checkpoint's (with ``load_format='dummy'`` it is the
-    only config: random weights seeded by ``config.load.seed``). Raises ConfigError while loading.
+    only config: random weights seeded by ``config.load.seed``). ``pack_weights``: on CPU, hold
+    linear weights pre-packed for oneDNN (:func:`pdserve.model.cpu_linear.pack_linears`; faster,
+    same results within rounding); False keeps the loader's dense layers. Raises ConfigError while
+    loading.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        *,
+        pack_weights: bool = True,
+    ) -> None:
         self.config = config
         load = config.load
         self.dtype: torch.dtype = torch_dtype(load.resolved_dtype)
         self.device = torch.device(load.device)
         self.model = load_model(load, model_config)
+        if pack_weights and self.device.type == "cpu":
+            pack_linears(self.model)
         self.model_config: ModelConfig = self.model.config
         cfg = self.model_config
         self.block_size: int = config.cache.block_size

@@ -90,7 +90,9 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         qkv_bias, o_bias = self.projection_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_bias, backend or get_backend())
-        self.lm_head: nn.Linear | None = None
+        # None = tied: logits from the embedding matrix (a transform such as
+        # pdserve.model.cpu_linear.pack_linears may install a packed copy here)
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -115,10 +117,14 @@ class LlamaForCausalLM(CausalLM):
             x = layer(x, rope, meta, kv_cache)
         return self.model.norm(x)
 
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] (model dtype)."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
         self.model.rotary_emb.set_freq_factors(factors)

@@ -24,11 +24,13 @@ class CausalLM(nn.Module):
     """What the loader and the runner need from a registered model class.
 
     ``packed_modules_mapping``: checkpoint projection name -> (fused module name, shard index),
-    e.g. ``{"q_proj": ("qkv_proj", 0)}``.
+    e.g. ``{"q_proj": ("qkv_proj", 0)}``. ``lm_head``: the output projection hidden -> vocab, or
+    None when the logits come from the input embedding matrix (tied weights).
     """
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
     config: ModelConfig
+    lm_head: nn.Module | None
 
     @abstractmethod
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
@@ -43,6 +45,10 @@ class CausalLM(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Flat packed tokens -> final hidden states [num_tokens, hidden]."""
+
+    @abstractmethod
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding table [vocab, hidden]."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
