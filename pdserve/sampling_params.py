@@ -1,12 +1,17 @@
 """Per-request sampling settings (DESIGN §6), validated once at the edge.
 
-Ranges follow the OpenAI API reference and vLLM's SamplingParams: temperature >= 0 (0 = greedy),
-top_p in (0, 1], top_k 0/-1 = off, min_p in [0, 1], presence/frequency penalties in [-2, 2],
-repetition_penalty > 0 (1 = off), top_logprobs in [0, 20].
+Ranges follow the OpenAI API reference and vLLM's SamplingParams: temperature in [0, 2] (0 =
+greedy; OpenAI's documented range), top_p in (0, 1], top_k 0/-1 = off, min_p in [0, 1],
+presence/frequency penalties in [-2, 2], repetition_penalty > 0 (1 = off), top_logprobs in
+[0, 20], min_tokens <= max_tokens. Every float must be finite (JSON's bare ``NaN``/``Infinity``
+literals parse, so the edge must refuse them). Integer counts and token ids travel as protobuf
+``int32`` (worker.proto), so they must fit in [0, 2^31); seeds travel as ``uint64`` and are kept in
+[0, 2^63). Token ids are checked against the vocabulary by the router, which knows it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,6 +24,8 @@ class SamplingError(ValueError):
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # largest value of a protobuf int32 field
+MAX_TEMPERATURE = 2.0  # OpenAI API reference: temperature is between 0 and 2
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,22 @@ class SamplingParams:
         def bad(name: str, msg: str) -> None:
             raise SamplingError(name, f"'{name}' {msg}")
 
-        if not self.temperature >= 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        for name in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty",
+        ):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1, 0 (off) or a positive count, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            bad(
+                "top_k",
+                f"must be -1, 0 (off) or a positive count <= {MAX_INT32}, got {self.top_k}",
+            )
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -67,14 +84,22 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {v}")
         if not self.repetition_penalty > 0:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
+            bad("max_tokens", f"must be in [1, {MAX_INT32}], got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= MAX_INT32:
+            bad("min_tokens", f"must be in [0, {MAX_INT32}], got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        for t in self.stop_token_ids:
+            if not 0 <= t <= MAX_INT32:
+                bad("stop_token_ids", f"must hold token ids in [0, {MAX_INT32}], got {t}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.n < 1:
-            bad("n", f"must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_INT32:
+            bad("n", f"must be in [1, {MAX_INT32}], got {self.n}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
 

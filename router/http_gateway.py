@@ -340,8 +340,11 @@ class OpenAIGateway:
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, ChoiceDelta]]:
     """Interleave several request streams as (stream index, delta) in arrival order."""
     if len(streams) == 1:
-        async for d in streams[0]:
-            yield 0, d
+        try:
+            async for d in streams[0]:
+                yield 0, d
+        finally:
+            streams[0].close_nowait()
         return
     queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
 
@@ -402,8 +405,8 @@ async def _collect_or_disconnect(
         watch.cancel()
         if not work.done():
             work.cancel()
-            for s in streams:
-                s.close_nowait()
+        for s in streams:  # idempotent; releases tickets and gauges whatever happened
+            s.close_nowait()
     if not work.done() or work.cancelled():
         return None
     return work.result()

@@ -27,9 +27,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve import metrics
+from pdserve import metrics, rpc
 from pdserve.engine.batch import SampledToken
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
 from router.errors import BadRequest, RouterError, WorkerFailure
@@ -129,25 +129,37 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> ChoiceDelta:
-        if not self._tasks and not self._closed:
-            self._start()
-        if self.done or self._closed:
+        # NOTE: the one place that guarantees release: any way out of here other than an item
+        # (end, error, a failure to start, the consumer's cancellation) closes the stream, which
+        # returns the admission ticket and the running/waiting gauges exactly once.
+        try:
+            if not self._tasks and not self._closed:
+                self._start()
+            if self.done or self._closed:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+        except BaseException:
             self.close_nowait()
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close_nowait()
-            raise item
+            raise
         if item.finish_reason is not None:
             self._finished += 1
         return item
 
     def _start(self) -> None:
+        """Start one task per sequence. A router bug here is reported as WorkerFailure (500)."""
         loop = asyncio.get_running_loop()
-        for i in range(self.n):
-            lc = self.router._lifecycle(self, i)
-            self.lifecycles.append(lc)
-            self._tasks.append(loop.create_task(self._run(i, lc)))
+        try:
+            for i in range(self.n):
+                lc = self.router._lifecycle(self, i)
+                self.lifecycles.append(lc)
+                self._tasks.append(loop.create_task(self._run(i, lc)))
+        except RouterError:
+            raise
+        except Exception as e:
+            log.exception("%s: cannot start its sequences", self.request_id)
+            raise WorkerFailure(f"internal error: {e!r}") from e
 
     def _first_token(self) -> None:
         self._first_tokens += 1
@@ -283,25 +295,36 @@ class Router:
         """
         arrival = time.monotonic()
         ids = list(prompt_token_ids)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise BadRequest(
-                f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
+        self.check_token_ids(ids, "prompt")
+        self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
         max_tokens = resolve_max_tokens(len(ids), sampling.max_tokens, self.max_model_len)
         stop_ids = tuple(sampling.stop_token_ids)
         if not sampling.ignore_eos:  # the router hides the text of EOS: make workers stop on it
             stop_ids += tuple(t for t in self.tokenizer.eos_token_ids if t not in stop_ids)
-        sampling = dataclasses.replace(sampling, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        try:
+            sampling = dataclasses.replace(sampling, max_tokens=max_tokens, stop_token_ids=stop_ids)
+            rpc.sampling_to_proto(sampling)  # everything a worker will see must fit the wire
+        except SamplingError as e:
+            raise BadRequest(str(e), param=e.field) from None
+        except ValueError as e:  # protobuf range checks: a field SamplingParams does not bound
+            raise BadRequest(f"a sampling value does not fit the worker protocol: {e}") from None
         try:
             ticket = self.admission.admit(len(ids) * sampling.n)
         except RouterError:
             metrics.REQUESTS_REJECTED.inc()
             raise
         return RequestStream(self, request_id, ids, sampling, ticket, arrival)
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Raise BadRequest naming ``param`` when an id is outside ``[0, vocab_size)``."""
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(
+                f"'{param}' holds token id {bad}, outside the vocabulary [0, {vocab})", param=param
+            )
 
     def _lifecycle(self, stream: RequestStream, index: int) -> RequestLifecycle:
         sampling = stream.sampling
