@@ -35,11 +35,6 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-def status_code(name: str) -> grpc.StatusCode:
-    """The grpc.StatusCode named ``name`` (INTERNAL for an unknown name)."""
-    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
-
-
 def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
     """Wire request -> engine request. ``deadline_unix_ms`` / ``kv_timeout_s`` 0 mean unset.
 
@@ -69,7 +64,7 @@ def event_to_proto(ev: DecodeEvent) -> pb.DecodeEvent:
             preempted=pb.Preempted(output_token_ids=list(ev.output_token_ids), reason=ev.reason)
         )
     return pb.DecodeEvent(
-        error=pb.ErrorEvent(code=status_code(ev.code).value[0], message=ev.message)
+        error=pb.ErrorEvent(code=rpc.status_code(ev.code).value[0], message=ev.message)
     )
 
 
@@ -99,7 +94,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         try:
             acc = self.engine.add_request(req, sink)
         except RequestRefused as e:
-            await context.abort(status_code(e.code), e.message)
+            await context.abort(rpc.status_code(e.code), e.message)
         done = False
         try:
             yield pb.DecodeEvent(

@@ -11,12 +11,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import grpc
+
 from pdserve.engine.batch import SampledToken
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from pdserve.v1 import worker_pb2 as pb
 
 if TYPE_CHECKING:
     from kv_transfer.base import TransferRecord
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    """The grpc.StatusCode named ``name`` (engines name codes as plain strings, e.g.
+    'RESOURCE_EXHAUSTED'); INTERNAL for an unknown name."""
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -98,7 +106,7 @@ def record_to_proto(r: TransferRecord) -> pb.TransferRecord:
         transfer_id=r.transfer_id,
         bytes=r.bytes,
         ms=r.ms,
-        outcome=str(r.outcome),
+        outcome=r.outcome.value,
         path=r.path,
         error=r.error or "",
     )

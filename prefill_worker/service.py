@@ -31,11 +31,6 @@ from prefill_worker.request import (
 log = logging.getLogger(__name__)
 
 
-def status_code(name: str) -> grpc.StatusCode:
-    """The grpc.StatusCode named ``name`` (INTERNAL for an unknown name)."""
-    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
-
-
 def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
     """Wire request -> engine request. ``deadline_unix_ms`` 0 means none.
 
@@ -99,7 +94,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             req = request_from_proto(request)
             fut = self.engine.add_request(req)
         except PrefillError as e:
-            await context.abort(status_code(e.code), e.message)
+            await context.abort(rpc.status_code(e.code), e.message)
         try:
             result = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -108,7 +103,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 log.info("prefill RPC for %s cancelled; request aborted", req.request_id)
             raise
         except PrefillError as e:
-            await context.abort(status_code(e.code), e.message)
+            await context.abort(rpc.status_code(e.code), e.message)
         return result_to_proto(result)
 
     async def Abort(  # noqa: N802 - gRPC method name
