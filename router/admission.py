@@ -4,8 +4,9 @@ A request is *queued* from admission until its first token exists (every one of 
 sequences has been prefilled); after that it is running and no longer counts. Two limits bound the
 queue: requests and prompt tokens. A request that would exceed either is refused with
 :class:`~router.errors.Overloaded` (HTTP 429 + ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A request
-arriving at an empty queue is always admitted, however large, so one long prompt can never be
-refused forever.
+arriving at an empty queue is always admitted, so a busy server never refuses a request forever;
+but a request that alone holds more prompt tokens than ``max_queued_tokens`` could only ever be
+admitted into an idle server, so it is refused at once with a 400 naming the prompt and the limit.
 
 ``Retry-After`` is an estimate of how long the queue takes to drain: the mean queue wait of
 recent requests (exponentially weighted), at least 1 s, at most 60 s.
@@ -22,21 +23,24 @@ _EWMA_ALPHA = 0.2  # weight of the newest queue-wait sample
 MAX_RETRY_AFTER_S = 60
 
 
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+def resolve_max_tokens(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
     """Output token budget for a prompt of ``prompt_len`` tokens.
 
     ``max_tokens`` None means the rest of the context (``max_model_len - prompt_len``).
     Raises ContextLengthExceeded (400) naming the counts and the limit when the prompt leaves no
     room or prompt + max_tokens exceed ``max_model_len``; BadRequest for an empty prompt.
+    ``prompt_param`` is the request field the prompt came from ("prompt" or "messages").
     """
     if prompt_len <= 0:
-        raise BadRequest("the prompt is empty; it must hold at least 1 token", param="prompt")
+        raise BadRequest("the prompt is empty; it must hold at least 1 token", param=prompt_param)
     if prompt_len >= max_model_len:
         raise ContextLengthExceeded(
             f"the prompt has {prompt_len} tokens but this model's maximum context length "
             f"(--max-model-len) is {max_model_len} tokens, leaving no room for output; "
             "shorten the prompt",
-            param="messages",
+            param=prompt_param,
         )
     if max_tokens is None:
         return max_model_len - prompt_len
@@ -89,11 +93,19 @@ class AdmissionController:
         """Seconds a refused client should wait before retrying (1..60)."""
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._mean_wait_s)))
 
-    def admit(self, num_tokens: int) -> Ticket:
+    def admit(self, num_tokens: int, prompt_param: str = "prompt") -> Ticket:
         """Queue a request of ``num_tokens`` prompt tokens (all sequences together).
 
-        Raises Overloaded with ``retry_after_s`` when a limit would be exceeded.
+        Raises Overloaded with ``retry_after_s`` when a limit would be exceeded; BadRequest
+        (param ``prompt_param``) when the request alone exceeds ``max_queued_tokens``.
         """
+        if num_tokens > self.max_queued_tokens:
+            raise BadRequest(
+                f"the request holds {num_tokens} prompt tokens (prompt tokens x n), more than the "
+                f"server queues at once (--max-queued-tokens {self.max_queued_tokens}); shorten "
+                "the prompt or lower n",
+                param=prompt_param,
+            )
         if self.num_queued > 0:
             if self.num_queued + 1 > self.max_queued_requests:
                 self.num_rejected += 1

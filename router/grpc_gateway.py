@@ -35,6 +35,7 @@ from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from router.errors import BadRequest, ModelNotFound, RouterError
+from router.openai_protocol import CHAT_ROLES
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,13 @@ class GenerationService(gpb_grpc.GenerationServicer):
         if kind == "text":
             return tok.encode(request.text)
         if kind == "chat":
+            for i, m in enumerate(request.chat.messages):
+                if m.role not in CHAT_ROLES:
+                    raise BadRequest(
+                        f"chat.messages[{i}].role is {m.role!r}; it must be one of "
+                        f"{', '.join(CHAT_ROLES)}",
+                        param=f"chat.messages.{i}.role",
+                    )
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             try:
                 return tok.apply_chat_template(messages)

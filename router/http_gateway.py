@@ -31,8 +31,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +51,7 @@ from router.serving import ChoiceDelta, RequestStream, Router
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
 _STARTED = time.time()
 # Status for a request whose client went away (nginx's convention; the client never sees it).
@@ -97,6 +99,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         detail = (e.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {detail}".rstrip(": "), None
     loc = [p for p in e.get("loc", ()) if p != "body"]
+    if not loc and e.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return (
+            "the request body must be a JSON object (send it with "
+            "'Content-Type: application/json')",
+            None,
+        )
     parts: list[str] = []
     for p in loc:
         if isinstance(p, str) and ("[" in p or p in _UNION_TAGS):
@@ -106,8 +114,30 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if e.get("type") == "missing":
         return (f"'{param}' is required" if param else "the request body is required"), param
     got = e.get("input")
-    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    shown = "" if isinstance(got, (dict, list, bytes)) else f" (got {_short_repr(got)})"
     return f"'{param}': {e.get('msg', 'invalid value')}{shown}", param
+
+
+def _short_repr(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters: errors never echo a large input back."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise BadRequest naming ``param`` when ``text`` is not encodable as UTF-8.
+
+    JSON ``\\udc80`` escapes (and raw CESU-style bytes such as ED A0 80, which Python's JSON
+    decoder accepts) produce lone UTF-16 surrogates that no tokenizer can encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(
+            f"'{param}' is not valid Unicode: it holds a lone surrogate "
+            f"U+{ord(text[e.start]):04X} at character {e.start}",
+            param=param,
+        ) from None
 
 
 @dataclass
@@ -125,6 +155,14 @@ class OpenAIGateway:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.tokenizer = router.tokenizer
+        # NOTE: one thread, so the (Rust) tokenizer is never used by two threads at once; work
+        # here takes milliseconds per prompt but seconds for a multi-MB one, which must not stall
+        # the event loop (health checks, other streams).
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, functools.partial(fn, *args))
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one gateway per process
     def token_text(self, token_id: int) -> str:
@@ -194,12 +232,17 @@ class OpenAIGateway:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         sampling = self._sampling(body.to_sampling_params)
+        conversation = body.conversation()
+        for m in conversation:
+            check_text(m["content"], "messages")
         try:
-            prompt = self.tokenizer.apply_chat_template(body.conversation())
+            prompt = await self._in_tokenizer_thread(
+                self.tokenizer.apply_chat_template, conversation
+            )
         except TokenizerError as e:
             raise BadRequest(str(e), param="messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.router.submit(rid, prompt, sampling)
+        stream = self.router.submit(rid, prompt, sampling, prompt_param="messages")
         model = self.router.model_name
         head = {
             "id": rid,
@@ -266,13 +309,19 @@ class OpenAIGateway:
         self._check_model(body.model)
         sampling = self._sampling(body.to_sampling_params)
         prompts = body.prompts()
+        self.router.check_num_sequences(len(prompts), sampling.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         encoded: list[tuple[list[int], str]] = []
         for p in prompts:
             if isinstance(p, str):
-                encoded.append((self.tokenizer.encode(p), p))
+                check_text(p, "prompt")
+                encoded.append((await self._in_tokenizer_thread(self.tokenizer.encode, p), p))
             else:
-                encoded.append((p, self.tokenizer.decode(p) if body.echo else ""))
+                self.router.check_token_ids(p, "prompt")  # before decoding them for echo
+                echo_text = ""
+                if body.echo:
+                    echo_text = await self._in_tokenizer_thread(self.tokenizer.decode, p)
+                encoded.append((p, echo_text))
         streams: list[RequestStream] = []
         try:
             for k, (ids, _) in enumerate(encoded):
@@ -434,17 +483,105 @@ def _event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream]) 
     )
 
 
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 32 MiB: far above any prompt max_model_len admits
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 and an OpenAI body.
+
+    The declared ``Content-Length`` is checked first; a body without one (chunked) is counted
+    while it is read. The body is buffered here (the JSON handlers read it whole anyway) and
+    replayed to the app, so an over-long body is refused before any of it is parsed.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _refuse(self, send: Any) -> None:
+        err = RouterError(
+            f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+        )
+        err.status, err.type, err.code = 413, "invalid_request_error", "request_too_large"
+        metrics.REQUEST_ERRORS.labels(code="413").inc()
+        payload = _dumps(err.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    await self._refuse(send)
+                    return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                await self.app(scope, _replay([], message, receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
+
+
+def _replay(chunks: list[bytes], first: dict[str, Any] | None, receive: Any) -> Any:
+    """An ASGI ``receive`` that returns the buffered body (or ``first``), then defers to
+    ``receive`` (so disconnects are still seen)."""
+    pending: list[dict[str, Any]] = (
+        [first] if first is not None else [
+            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        ]
+    )  # fmt: skip
+
+    async def replayed() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed
+
+
 def build_app(
     router: Router,
     api_key: str | None = None,
     control: ClusterControl | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI application serving ``router``.
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on /v1 and /admin routes.
-    ``control``: enables /admin/workers and /admin/scale.
+    ``control``: enables /admin/workers and /admin/scale. ``max_body_bytes``: larger request
+    bodies get 413 (bytes).
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     gateway = OpenAIGateway(router)
     expected = f"Bearer {api_key}".encode() if api_key else None
 

@@ -13,7 +13,7 @@ pydantic round trip on the hot path); their shapes are documented there.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,11 +38,15 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)  # the roles OpenAI's chat API defines
+
+
 class ChatMessage(BaseModel):
     """A chat message. ``content`` is a string or a list of text parts."""
 
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -32,7 +32,7 @@ from pdserve.engine.batch import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
-from router.errors import BadRequest, RouterError, WorkerFailure
+from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
@@ -46,7 +46,8 @@ _SEED_MODULUS = 2**63
 class RouterConfig:
     """What the router enforces. Token counts in tokens, times in seconds.
 
-    ``max_model_len``: prompt + output limit. ``max_n``: sequences per request.
+    ``max_model_len``: prompt + output limit. ``max_n``: sequences per prompt (``n``).
+    ``max_sequences``: sequences per request over all its prompts (prompts x ``n``).
     ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
     """
 
@@ -56,6 +57,7 @@ class RouterConfig:
     max_queued_tokens: int = 262144
     request_timeout_s: float = 600.0
     max_n: int = 16
+    max_sequences: int = 64
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
 
     def __post_init__(self) -> None:
@@ -65,6 +67,10 @@ class RouterConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_sequences < self.max_n:
+            raise ValueError(
+                f"max_sequences must be >= max_n ({self.max_n}), got {self.max_sequences}"
+            )
 
 
 @dataclass(frozen=True)
@@ -286,20 +292,27 @@ class Router:
         return self.config.max_model_len
 
     def submit(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        prompt_param: str = "prompt",
     ) -> RequestStream:
         """Validate and admit one prompt. Raises BadRequest / ContextLengthExceeded / Overloaded.
 
-        ``sampling.max_tokens`` None = the rest of the context. The returned stream must be
+        ``sampling.max_tokens`` None = the rest of the context. ``prompt_param`` names the request
+        field the prompt came from in errors ("prompt" or "messages"). The returned stream must be
         iterated to the end or closed.
         """
         arrival = time.monotonic()
         ids = list(prompt_token_ids)
-        self.check_token_ids(ids, "prompt")
+        self.check_token_ids(ids, prompt_param)
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
-        max_tokens = resolve_max_tokens(len(ids), sampling.max_tokens, self.max_model_len)
+        max_tokens = resolve_max_tokens(
+            len(ids), sampling.max_tokens, self.max_model_len, prompt_param
+        )
         stop_ids = tuple(sampling.stop_token_ids)
         if not sampling.ignore_eos:  # the router hides the text of EOS: make workers stop on it
             stop_ids += tuple(t for t in self.tokenizer.eos_token_ids if t not in stop_ids)
@@ -311,11 +324,20 @@ class Router:
         except ValueError as e:  # protobuf range checks: a field SamplingParams does not bound
             raise BadRequest(f"a sampling value does not fit the worker protocol: {e}") from None
         try:
-            ticket = self.admission.admit(len(ids) * sampling.n)
-        except RouterError:
+            ticket = self.admission.admit(len(ids) * sampling.n, prompt_param)
+        except Overloaded:
             metrics.REQUESTS_REJECTED.inc()
             raise
         return RequestStream(self, request_id, ids, sampling, ticket, arrival)
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """Raise BadRequest when prompts x ``n`` exceed ``max_sequences``."""
+        if num_prompts * n > self.config.max_sequences:
+            raise BadRequest(
+                f"the request asks for {num_prompts} prompts x n={n} = {num_prompts * n} "
+                f"sequences; at most {self.config.max_sequences} are allowed per request",
+                param="prompt" if num_prompts > 1 else "n",
+            )
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Raise BadRequest naming ``param`` when an id is outside ``[0, vocab_size)``."""

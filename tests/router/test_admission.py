@@ -38,14 +38,26 @@ def test_request_limit_then_release() -> None:
 
 def test_token_limit_but_an_empty_queue_always_admits() -> None:
     ac = AdmissionController(max_queued_requests=100, max_queued_tokens=100)
-    big = ac.admit(500)  # alone: admitted even though it exceeds the token budget
+    full = ac.admit(100)  # alone it may fill the whole token budget
     with pytest.raises(Overloaded, match="--max-queued-tokens 100"):
         ac.admit(1)
-    big.release()
+    full.release()
     ac.admit(60)
     with pytest.raises(Overloaded):
         ac.admit(41)
     ac.admit(40)
+
+
+def test_a_request_larger_than_the_token_limit_is_400_not_429() -> None:
+    """QA W3: it could never be admitted while others queue, so 429 would repeat forever."""
+    ac = AdmissionController(max_queued_requests=100, max_queued_tokens=100)
+    for busy in (False, True):
+        with pytest.raises(BadRequest, match="--max-queued-tokens 100") as info:
+            ac.admit(101, prompt_param="messages")
+        assert info.value.param == "messages" and "101 prompt tokens" in info.value.message
+        if not busy:
+            ac.admit(10)
+    assert ac.num_queued == 1 and ac.queued_tokens == 10
 
 
 def test_limits_are_validated() -> None:

@@ -128,3 +128,17 @@ async def test_full_queue_is_resource_exhausted(tokenizer: Tokenizer) -> None:
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await first.read()).WhichOneof("response") == "chunk"
         first.cancel()
+
+
+async def test_unknown_chat_role_is_invalid_argument(tokenizer: Tokenizer) -> None:
+    """QA W4: the gRPC gateway refuses roles the HTTP API refuses."""
+    async with gateway(tokenizer) as (_c, _router, channel):
+        stub = gpb_grpc.GenerationStub(channel)
+        req = gpb.GenerateRequest(
+            chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="wizard", content="hi")]),
+            sampling=wpb.SamplingParams(max_tokens=2),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in stub.Generate(req)]
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "wizard" in (info.value.details() or "")

@@ -5,6 +5,11 @@ Each test names the QA finding it pins (C1, L1, ... in the router QA issue).
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
 import pytest
 from fake_workers import VOCAB
 from test_http_gateway import MSGS, assert_openai_error, env, sse_events
@@ -42,8 +47,10 @@ async def test_out_of_range_integers_are_400(
         body = {"messages": MSGS, field: value, "stream": stream}
         r = await e.client.post("/v1/chat/completions", json=body)
         err = assert_openai_error(r, 400, field)
-        assert str(2**31 - 1) in err["message"] or "2^63" in err["message"] or str(VOCAB) in (
-            err["message"]
+        assert (
+            str(2**31 - 1) in err["message"]
+            or "2^63" in err["message"]
+            or str(VOCAB) in (err["message"])
         )
         assert e.router.admission.num_queued == 0 and _gauges() == before
         r = await e.client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4})
@@ -117,3 +124,128 @@ async def test_failure_to_start_releases_ticket_and_gauges(
         assert _gauges() == before
         r = await e.client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw", [False, True])
+async def test_lone_surrogates_are_400(tokenizer: Tokenizer, raw: bool) -> None:
+    """C2: a lone surrogate ("\\udc80" escape, or raw bytes ED A0 80) is a 400, not a 500."""
+    async with env(tokenizer) as e:
+        bad = b"\xed\xa0\x80" if raw else b"\\udc80"
+        for path, param, body in (
+            ("/v1/completions", "prompt", b'{"prompt": "a' + bad + b'b"}'),
+            (
+                "/v1/chat/completions",
+                "messages",
+                b'{"messages": [{"role": "user", "content": "a' + bad + b'b"}]}',
+            ),
+        ):
+            r = await e.client.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+            assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+
+
+@pytest.mark.parametrize("ids", [[-5], [2**40], [5, VOCAB]])
+async def test_echo_with_bad_token_ids_is_400(tokenizer: Tokenizer, ids: list[int]) -> None:
+    """C3: token ids are validated before they are decoded for ``echo``."""
+    async with env(tokenizer) as e:
+        r = await e.client.post("/v1/completions", json={"prompt": ids, "echo": True})
+        assert "vocabulary" in assert_openai_error(r, 400, "prompt")["message"]
+
+
+async def test_over_long_prompt_names_the_right_field(tokenizer: Tokenizer) -> None:
+    """W2: /v1/completions names 'prompt'; chat names 'messages'."""
+    async with env(tokenizer, max_model_len=32) as e:
+        r = await e.client.post("/v1/completions", json={"prompt": list(range(5, 45))})
+        assert "max-model-len" in assert_openai_error(r, 400, "prompt")["message"]
+        msgs = [{"role": "user", "content": "word " * 40}]
+        r = await e.client.post("/v1/chat/completions", json={"messages": msgs})
+        assert_openai_error(r, 400, "messages")
+
+
+async def test_prompt_beyond_the_queue_token_limit_is_400(tokenizer: Tokenizer) -> None:
+    """W3: a request that alone exceeds --max-queued-tokens is a 400, never a retryable 429."""
+    async with env(tokenizer, max_queued_tokens=50) as e:
+        r = await e.client.post("/v1/completions", json={"prompt": list(range(5, 35)), "n": 2})
+        err = assert_openai_error(r, 400, "prompt")
+        assert "--max-queued-tokens 50" in err["message"] and "60 prompt tokens" in err["message"]
+        assert "retry-after" not in r.headers
+        r = await e.client.post("/v1/completions", json={"prompt": list(range(5, 35))})
+        assert r.status_code == 200, r.text
+
+
+async def test_prompts_times_n_is_capped(tokenizer: Tokenizer) -> None:
+    """W3: prompts x n per request are bounded by RouterConfig.max_sequences."""
+    async with env(tokenizer, max_sequences=16, max_n=16) as e:
+        r = await e.client.post("/v1/completions", json={"prompt": [[5, 6]] * 5, "n": 4})
+        assert "at most 16" in assert_openai_error(r, 400, "prompt")["message"]
+        r = await e.client.post(
+            "/v1/completions", json={"prompt": [[5, 6]] * 4, "n": 4, "max_tokens": 2}
+        )
+        assert r.status_code == 200 and len(r.json()["choices"]) == 16
+
+
+@pytest.mark.parametrize(
+    ("content", "headers"),
+    [
+        (b'[{"messages": []}]', {"content-type": "application/json"}),
+        (b"messages=hello" + b"x" * 5000, {"content-type": "application/x-www-form-urlencoded"}),
+        (b'"just a string"', {}),
+    ],
+)
+async def test_body_must_be_a_json_object(
+    tokenizer: Tokenizer, content: bytes, headers: dict[str, str]
+) -> None:
+    """W5: a non-object body is a clean 400 that does not echo the body back."""
+    async with env(tokenizer) as e:
+        r = await e.client.post("/v1/chat/completions", content=content, headers=headers)
+        err = assert_openai_error(r, 400)
+        assert err["param"] is None and "JSON object" in err["message"]
+        assert "xxxx" not in r.text and "just a string" not in r.text
+
+
+async def test_body_size_limit_is_413(tokenizer: Tokenizer) -> None:
+    """H1: bodies over the limit are refused before parsing, with an OpenAI error body."""
+    from router.http_gateway import build_app
+
+    async with env(tokenizer) as e:
+        app = build_app(e.router, max_body_bytes=1000)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            big = {"prompt": "x" * 2000}
+            r = await client.post("/v1/completions", json=big)
+            assert "1000 bytes" in assert_openai_error(r, 413)["message"]
+
+            async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted as read
+                yield b'{"prompt": "'
+                for _ in range(10):
+                    yield b"x" * 200
+                yield b'"}'
+
+            r = await client.post("/v1/completions", content=chunked())
+            assert_openai_error(r, 413)
+            r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+
+async def test_tokenization_does_not_block_the_event_loop(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """H1: a slow (huge) prompt is tokenized off the event loop: /health answers meanwhile."""
+    async with env(tokenizer) as e:
+        real = tokenizer.encode
+
+        def slow_encode(text: str, *args: object, **kwargs: object) -> list[int]:
+            time.sleep(1.0)
+            return real(text, *args, **kwargs)
+
+        monkeypatch.setattr(e.router.tokenizer, "encode", slow_encode)
+        task = asyncio.ensure_future(
+            e.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        )
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        r = await e.client.get("/health")
+        assert r.status_code == 200 and time.monotonic() - t0 < 0.5
+        assert not task.done()
+        assert (await task).status_code == 200
