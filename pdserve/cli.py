@@ -13,7 +13,10 @@ import sys
 
 # subcommand name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pdserve.commands.serve", "run the whole system: Ray workers + HTTP and gRPC gateways"),
+    "serve": (
+        "pdserve.commands.serve",
+        "run the whole system: Ray workers + HTTP and gRPC gateways",
+    ),
     "router": ("pdserve.commands.router", "run a router against an existing Ray cluster"),
     "generate": ("pdserve.commands.generate", "offline batched generation on one process"),
     "bench": ("pdserve.commands.bench", "benchmark an OpenAI-compatible server"),

@@ -141,9 +141,7 @@ class ModelConfig:
                 rope_theta=float(cfg.get("rope_theta", params.get("rope_theta", 10000.0))),
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    cfg.get("attention_bias", arch.startswith("Qwen2"))
-                ),
+                attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 model_id=model_id,
@@ -208,7 +206,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
+            raise ConfigError(
+                f"--block-size must be a positive power of two, got {self.block_size}"
+            )
         if self.num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {self.num_blocks}")
         if self.num_blocks == 0 and self.kv_cache_memory_bytes <= 0:
@@ -241,7 +241,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "--max-num-batched-tokens must be >= --max-model-len when chunked prefill is off"

@@ -81,5 +81,7 @@ def test_bad_wire_values_name_the_field() -> None:
 
 def test_token_round_trip() -> None:
     t = SampledToken(token_id=9, logprob=-0.25, top_logprobs=((9, -0.25), (3, -1.5)))
-    back = rpc.token_from_proto(pb.TokenLogprob.FromString(rpc.token_to_proto(t).SerializeToString()))
+    back = rpc.token_from_proto(
+        pb.TokenLogprob.FromString(rpc.token_to_proto(t).SerializeToString())
+    )
     assert back == t
