@@ -385,7 +385,7 @@ class RequestLifecycle:
         leg = _Leg(worker, worker.client.decode(req), attempt_id, blocks)
         abort_timeout = self.config.abort_timeout_s
         try:
-            event = await asyncio.wait_for(leg.call.read(), timeout)
+            event = await _read(leg.call, timeout)
         except grpc.aio.AioRpcError as e:
             leg.close(abort=False, timeout_s=abort_timeout)
             self._refused(worker, e.code(), e.details() or "")
@@ -533,7 +533,7 @@ class RequestLifecycle:
         """Emit D's tokens until Finished (-> FINISHED) or a re-placement (-> MIGRATING)."""
         while True:
             try:
-                event = await asyncio.wait_for(leg.call.read(), self._remaining())
+                event = await _read(leg.call, self._remaining())
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"request {self.request_id} exceeded its deadline (--request-timeout)"
@@ -599,6 +599,17 @@ class RequestLifecycle:
         )
         self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
         self._check_replacements()
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> Any:
+    """``await call.read()`` within ``timeout_s`` seconds (raises TimeoutError).
+
+    NOTE: not ``asyncio.wait_for``: on Python 3.11 it returns the result and swallows a
+    cancellation that arrives just as the read completes, so a sequence whose client left would
+    keep decoding to max_tokens. ``asyncio.timeout`` always delivers the cancellation.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await call.read()
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

@@ -208,6 +208,8 @@ class RequestStream:
         gen = lc.run()
         try:
             async for t in gen:
+                if self._closed:  # the consumer left; a lost cancellation must not keep us going
+                    raise asyncio.CancelledError
                 now = time.monotonic()
                 if last is None:
                     self._first_token()

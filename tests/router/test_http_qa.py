@@ -249,3 +249,35 @@ async def test_tokenization_does_not_block_the_event_loop(
         assert r.status_code == 200 and time.monotonic() - t0 < 0.5
         assert not task.done()
         assert (await task).status_code == 200
+
+
+async def test_streaming_n2_disconnect_aborts_every_sequence(tokenizer: Tokenizer) -> None:
+    """L2: a client that leaves an n=2 stream early aborts both sequences (5 at a time)."""
+    from test_http_gateway import live_server
+
+    from router.http_gateway import build_app
+
+    async with env(tokenizer, decode={"step_s": 0.02}) as e:
+        app = build_app(e.router)
+        body = {
+            "prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True, "stream": True, "n": 2,
+        }  # fmt: skip
+        async with live_server(app) as url, httpx.AsyncClient(base_url=url) as client:
+
+            async def leave_early() -> None:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = 0
+                    async for line in r.aiter_lines():
+                        lines += line.startswith("data: ")
+                        if lines == 6:
+                            break
+
+            for _ in range(2):
+                await asyncio.gather(*(leave_early() for _ in range(5)))
+            dec = e.cluster.decodes[0]
+            end = time.monotonic() + 3.0
+            while dec.held or e.router.admission.num_queued:
+                assert time.monotonic() < end, f"still decoding after disconnect: {list(dec.held)}"
+                await asyncio.sleep(0.02)
+            assert dec.num_finished == 0  # nothing ran on to max_tokens
+            assert _gauges()[0] == 0

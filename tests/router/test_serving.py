@@ -165,3 +165,44 @@ async def test_closing_a_stream_early_aborts_every_sequence(tokenizer: Tokenizer
         assert router.admission.num_queued == 0
     finally:
         await c.close()
+
+
+async def test_close_ends_sequences_even_when_a_cancellation_is_lost(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA L2: closing an n=2 stream ends both sequences, even one whose cancellation is lost
+    (Python 3.11's ``asyncio.wait_for`` swallows a cancel that races a completed read)."""
+    import router.serving as serving
+    from pdserve.engine.batch import SampledToken
+    from router.lifecycle import RequestLifecycle
+
+    closed: list[str] = []
+
+    class SwallowsCancel(RequestLifecycle):
+        async def run(self):  # type: ignore[no-untyped-def,override]
+            try:
+                for i in range(1000):
+                    try:
+                        await asyncio.sleep(0.005)
+                    except asyncio.CancelledError:
+                        pass  # the lost cancellation
+                    self.output.append(SampledToken(token_id=1000 + i))
+                    yield self.output[-1]
+            finally:
+                closed.append(self.request_id)
+
+    monkeypatch.setattr(serving, "RequestLifecycle", SwallowsCancel)
+    cluster = await scripted(tokenizer)
+    try:
+        router = make_router(cluster, tokenizer)
+        stream = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=200, n=2))
+        it = aiter(stream)
+        for _ in range(4):
+            await anext(it)
+        await asyncio.wait_for(stream.aclose(), 1.0)
+        assert sorted(closed) == ["r-0", "r-1"]
+        assert all(t.done() for t in stream._tasks)
+        assert max(len(lc.output) for lc in stream.lifecycles) < 50
+        assert router.admission.num_queued == 0
+    finally:
+        await cluster.close()
