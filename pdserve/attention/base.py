@@ -58,6 +58,7 @@ class AttentionMetadata:
       decode_rows:     int64 [num_decodes] their rows in the flat batch.
       decode_blocks:   int64 [num_decodes, max_decode_blocks] their block tables (0-padded).
       decode_mask:     bool  [num_decodes, 1, 1, max_decode_blocks * block_size] True = real token.
+      decode_bias:     float32, same shape: 0 where decode_mask, -inf elsewhere (added to scores).
     ``prefills``: the other sequences, attended one by one (one SDPA call per sequence, never per
     token). ``block_size`` in tokens.
     """
@@ -72,6 +73,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor
     decode_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
+    decode_bias: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +152,8 @@ class AttentionMetadata:
         d_seq_lens = seq_lens[d_idx]
         d_nblocks = int(-(-int(d_seq_lens.max()) // block_size)) if decode_idx else 1
         d_mask = torch.arange(d_nblocks * block_size)[None, :] < d_seq_lens[:, None]
+        d_mask = d_mask.view(len(decode_idx), 1, 1, d_nblocks * block_size)
+        d_bias = torch.zeros(d_mask.shape).masked_fill_(~d_mask, float("-inf"))
         return cls(
             block_size=block_size,
             positions=positions.to(device),
@@ -159,8 +163,9 @@ class AttentionMetadata:
             block_tables=tables.to(device),
             decode_rows=qsl[d_idx].to(device),
             decode_blocks=tables[d_idx, :d_nblocks].to(device),
-            decode_mask=d_mask.view(len(decode_idx), 1, 1, d_nblocks * block_size).to(device),
+            decode_mask=d_mask.to(device),
             prefills=tuple(prefills),
+            decode_bias=d_bias.to(device),
         )
 
 

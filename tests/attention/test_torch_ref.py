@@ -72,6 +72,25 @@ def test_decode_only_batch() -> None:
         assert torch.allclose(out[i : i + 1], _naive(q[i : i + 1], fk, fv, n - 1), atol=1e-5)
 
 
+def test_bf16_decode_attends_in_float32() -> None:
+    """A bf16 pool and query: the result is the fp32 attention of the bf16 values, rounded once."""
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.randn(2, NB, BS, HKV, D, generator=gen).bfloat16().unbind(0)
+    lens, tables = [7, 1, 16], [[2, 8], [5], [1, 9, 17, 33]]
+    q = torch.randn(3, H, D, generator=gen).bfloat16()
+    k, v = torch.randn(2, 3, HKV, D, generator=gen).bfloat16().unbind(0)
+    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, BS)
+    assert meta.decode_bias.dtype == torch.float32
+    assert torch.equal(meta.decode_bias == 0, meta.decode_mask)
+    out = get_backend().forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    assert out.dtype == torch.bfloat16
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        fk = torch.cat([k_cache[b] for b in table])[:n].float()
+        fv = torch.cat([v_cache[b] for b in table])[:n].float()
+        ref = _naive(q[i : i + 1].float(), fk, fv, n - 1)
+        torch.testing.assert_close(out[i : i + 1].float(), ref, atol=1e-2, rtol=1e-2)
+
+
 def test_slot_mapping() -> None:
     meta = AttentionMetadata.build([3, 1], [2, 4], [[5, 9], [1, 2]], 4)
     assert meta.slot_mapping.tolist() == [22, 23, 36, 8]
