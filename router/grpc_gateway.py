@@ -112,7 +112,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 text.append(d.text)
                 if d.finish_reason is not None:
                     reason = d.finish_reason
-                    if not d.text:
+                    if not d.text and not d.tokens:
                         continue
                 yield gpb.GenerateResponse(
                     request_id=rid,

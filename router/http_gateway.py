@@ -147,6 +147,7 @@ class _Choice:
     text: str = ""
     tokens: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class OpenAIGateway:
@@ -260,9 +261,11 @@ class OpenAIGateway:
                     choice["delta"] = {"role": "assistant", "content": ""}
                 else:
                     choice["delta"] = {"content": delta.text} if delta.text else {}
-                    if delta.finish_reason is None and sampling.logprobs:
+                    if delta.tokens and sampling.logprobs:
                         choice["logprobs"] = self.chat_logprobs(delta.tokens, top)
                     choice["finish_reason"] = delta.finish_reason
+                    if delta.finish_reason is not None:
+                        choice["stop_reason"] = delta.stop_reason
                 out = {**head, "system_fingerprint": None, "choices": [choice], **extra}
                 return _sse(out)
 
@@ -289,6 +292,7 @@ class OpenAIGateway:
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.tokens, top) if sampling.logprobs else None,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
             )
         return JSONResponse(
@@ -345,7 +349,7 @@ class OpenAIGateway:
 
             def chunk(index: int, text: str, d: ChoiceDelta | None) -> str:
                 lp = None
-                if d is not None and d.finish_reason is None and sampling.logprobs:
+                if d is not None and d.tokens and sampling.logprobs:
                     lp = self.completion_logprobs(d.tokens, top, sent[index])
                 sent[index] += len(text)
                 choice = {
@@ -354,6 +358,8 @@ class OpenAIGateway:
                     "logprobs": lp,
                     "finish_reason": None if d is None else d.finish_reason,
                 }
+                if d is not None and d.finish_reason is not None:
+                    choice["stop_reason"] = d.stop_reason
                 return _sse({**head, "choices": [choice], **extra})
 
             async def events() -> AsyncIterator[str]:
@@ -381,6 +387,7 @@ class OpenAIGateway:
                     "text": echo[i] + c.text,
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
             )
         return JSONResponse({**head, "choices": data, "usage": self._usage(streams)})
@@ -430,7 +437,7 @@ async def _collect(streams: Sequence[RequestStream], offsets: Sequence[int]) -> 
         c.text += d.text
         c.tokens.extend(d.tokens)
         if d.finish_reason is not None:
-            c.finish_reason = d.finish_reason
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
     return choices
 
 

@@ -77,13 +77,16 @@ class RouterConfig:
 class ChoiceDelta:
     """New output of sequence ``index``: ``text`` (may be "") behind ``tokens``.
 
-    The last item of a sequence has ``finish_reason`` "stop" | "length" and usually no tokens.
+    The last item of a sequence has ``finish_reason`` "stop" | "length" and carries the last
+    token when it is known to be last (EOS / stop id, stop string, max_tokens); ``stop_reason``
+    is then the matched stop string or stop token id (None for EOS, length or an early end).
     """
 
     index: int
     text: str
     tokens: tuple[SampledToken, ...] = ()
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that hit
 
 
 class RequestStream:
@@ -197,13 +200,23 @@ class RequestStream:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _run(self, index: int, lc: RequestLifecycle) -> None:
-        """One sequence: lifecycle tokens -> text pieces -> queue."""
+        """One sequence: lifecycle tokens -> text pieces -> queue.
+
+        The token known to be the last (a stop token id or EOS, which workers stop on; the one
+        completing a stop string; the max_tokens-th) rides in the finishing ChoiceDelta, so a
+        stream never sends an empty token chunk just before its finish chunk.
+        """
         tok = self.router.tokenizer
         sampling = lc.sampling
         detok = IncrementalDetokenizer(tok, self.prompt_token_ids, sampling.skip_special_tokens)
         stops = StopMatcher(sampling.stop) if sampling.stop else None
         stop_ids = set(sampling.stop_token_ids)
+        eos_ids = set() if sampling.ignore_eos else set(tok.eos_token_ids)
         reason: str | None = None
+        stop_reason: int | str | None = None
+        held: SampledToken | None = None  # a stop-id token, sent with the finish
+        last_text = ""  # text of the token that completed a stop string / max_tokens
+        last_tokens: tuple[SampledToken, ...] = ()
         last: float | None = None
         gen = lc.run()
         try:
@@ -217,25 +230,43 @@ class RequestStream:
                 else:
                     metrics.ITL.observe(now - last)
                 last = now
-                text = "" if t.token_id in stop_ids else detok.add(t.token_id)
+                if held is not None:  # a stop id that did not end the sequence (never expected)
+                    self._queue.put_nowait(ChoiceDelta(index, "", (held,)))
+                    held, stop_reason = None, None
+                if t.token_id in stop_ids:
+                    held = t
+                    stop_reason = None if t.token_id in eos_ids else t.token_id
+                    continue
+                text = detok.add(t.token_id)
                 if stops is not None:
                     text, stopped = stops.feed(text)
                     if stopped:
-                        reason = "stop"
-                        self._queue.put_nowait(ChoiceDelta(index, text, (t,)))
+                        reason, stop_reason = "stop", stops.matched
+                        last_text, last_tokens = text, (t,)
                         break
+                if len(lc.output) >= lc.max_tokens:  # the last token: the finish carries it
+                    last_text, last_tokens = text, (t,)
+                    continue
                 self._queue.put_nowait(ChoiceDelta(index, text, (t,)))
             if reason is None:
                 reason = lc.finish_reason or "stop"
                 tail = detok.flush()
                 if stops is not None:
                     tail, stopped = stops.feed(tail)
-                    tail += "" if stopped else stops.flush()
+                    if stopped:
+                        stop_reason = stops.matched
+                    else:
+                        tail += stops.flush()
+                if reason != "stop":
+                    stop_reason = None
             else:
                 tail = ""
             await gen.aclose()  # a stop string hit: abort the workers
             self._observe(lc, reason)
-            self._queue.put_nowait(ChoiceDelta(index, tail, (), reason))
+            tokens = last_tokens + ((held,) if held is not None else ())
+            self._queue.put_nowait(
+                ChoiceDelta(index, last_text + tail, tokens, reason, stop_reason)
+            )
         except asyncio.CancelledError:
             await gen.aclose()
             metrics.REQUESTS_ABORTED.inc()

@@ -152,7 +152,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
                 seq = seq + [tok]
             while True:
                 n_out = len(seq) - orig_prompt_len
-                if tok == EOS and not request.sampling.ignore_eos:
+                stop_ids = request.sampling.stop_token_ids
+                if (tok == EOS and not request.sampling.ignore_eos) or tok in stop_ids:
                     self.num_finished += 1
                     yield pb.DecodeEvent(
                         finished=pb.Finished(reason="stop", num_output_tokens=n_out)

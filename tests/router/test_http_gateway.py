@@ -109,11 +109,15 @@ async def test_chat_streaming_one_token_per_chunk_with_usage(tokenizer: Tokenize
         body = chunks[:-1]
         assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in body)
         assert body[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        token_chunks = body[1:-1]
+        token_chunks = body[1:]
         n_tokens = usage_chunk["usage"]["completion_tokens"]
-        assert len(token_chunks) == n_tokens  # one chunk per token, EOS included
+        assert len(token_chunks) == n_tokens  # one chunk per token, EOS (the finish) included
         assert all(c["choices"][0]["finish_reason"] is None for c in body[:-1])
         assert body[-1]["choices"][0]["finish_reason"] == "stop"
+        assert (
+            body[-1]["choices"][0]["stop_reason"] is None and body[-1]["choices"][0]["delta"] == {}
+        )
+        assert all(c["choices"][0]["delta"] for c in body[1:-1])  # no empty token chunk
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in body)
         assert text == ANSWER
         lp = token_chunks[0]["choices"][0]["logprobs"]["content"][0]
@@ -156,7 +160,9 @@ async def test_completions_streaming_echo_and_finish(tokenizer: Tokenizer) -> No
         assert events[-1] == "[DONE]"
         chunks = [ev for ev in events if isinstance(ev, dict)]
         assert chunks[0]["choices"][0]["text"] == "Q:"
-        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+        # echo, 2 tokens, then the 3rd (last) token carries finish_reason "length"
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 3 + ["length"]
+        assert chunks[-1]["choices"][0]["text"] and chunks[-1]["choices"][0]["stop_reason"] is None
         assert "".join(c["choices"][0]["text"] for c in chunks) == "Q:" + " The capital of"
 
 

@@ -281,3 +281,32 @@ async def test_streaming_n2_disconnect_aborts_every_sequence(tokenizer: Tokenize
                 await asyncio.sleep(0.02)
             assert dec.num_finished == 0  # nothing ran on to max_tokens
             assert _gauges()[0] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_reason_and_finish_chunk(tokenizer: Tokenizer, stream: bool) -> None:
+    """vLLM's ``stop_reason``: the stop string or stop token id; None for EOS and length. The
+    token that ends a stream rides in the finish chunk (no empty chunk before it)."""
+    from test_http_gateway import ANSWER
+
+    stop_id = tokenizer.encode(ANSWER, add_special_tokens=False)[3]
+    cases = [
+        ({}, "stop", None),
+        ({"stop": ["Paris"]}, "stop", "Paris"),
+        ({"stop_token_ids": [stop_id]}, "stop", stop_id),
+        ({"max_tokens": 3}, "length", None),
+    ]
+    async with env(tokenizer) as e:
+        for extra, finish, stop_reason in cases:
+            body = {"messages": MSGS, "stream": stream, "logprobs": True, **extra}
+            r = await e.client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            if not stream:
+                (choice,) = r.json()["choices"]
+                assert (choice["finish_reason"], choice["stop_reason"]) == (finish, stop_reason)
+                continue
+            chunks = [ev for ev in sse_events(r.text) if isinstance(ev, dict)][1:]
+            last = chunks[-1]["choices"][0]
+            assert (last["finish_reason"], last["stop_reason"]) == (finish, stop_reason), extra
+            assert last["logprobs"]["content"], "the last token's logprobs ride in the finish"
+            assert all(c["choices"][0]["delta"] for c in chunks[:-1]), "an empty token chunk"

@@ -55,8 +55,10 @@ async def test_text_is_detokenized_and_eos_text_is_hidden(tokenizer: Tokenizer) 
         stream = router.submit("r1", prompt, SamplingParams(temperature=0, max_tokens=None))
         deltas = await drain(stream)
         assert "".join(d.text for d in deltas) == ANSWER
-        assert deltas[-1].finish_reason == "stop" and not deltas[-1].tokens
-        assert all(len(d.tokens) == 1 for d in deltas[:-1])  # one token per delta
+        # the EOS token rides in the finish (no empty token delta before it); its text is hidden
+        assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason is None
+        assert [t.token_id for t in deltas[-1].tokens] == [EOS] and deltas[-1].text == ""
+        assert all(len(d.tokens) == 1 for d in deltas)  # one token per delta
         n_script = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
         assert stream.completion_tokens == n_script
         # max_tokens None = rest of the context; EOS ids were added to the stop ids
