@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import rpc
+from pdserve import metrics, rpc
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
 from pdserve.v1 import generate_pb2 as gpb
@@ -103,6 +103,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 raise BadRequest("'stop' strings must be non-empty", param="stop")
             stream = self.router.submit(rid, self._prompt(request), self._sampling(request))
         except RouterError as e:
+            metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
             return
         text: list[str] = []
@@ -131,6 +132,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 ),
             )
         except RouterError as e:
+            metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             yield gpb.GenerateResponse(
                 request_id=rid, error=gpb.GenerateError(code=e.status, message=e.message)
             )

@@ -280,12 +280,13 @@ class RequestStream:
         finally:
             if last is None:  # ended without a token: it no longer waits either
                 self._first_token()
+            # every token produced counts, however the sequence ended (deadline, error, client)
+            metrics.GENERATION_TOKENS.inc(len(lc.output))
 
     def _observe(self, lc: RequestLifecycle, reason: str) -> None:
         now = time.monotonic()
         metrics.REQUESTS_FINISHED.labels(finish_reason=reason).inc()
         metrics.E2E_LATENCY.observe(now - self.arrival)
-        metrics.GENERATION_TOKENS.inc(len(lc.output))
         metrics.PROMPT_TOKENS.inc(len(self.prompt_token_ids))
         metrics.CACHED_PROMPT_TOKENS.inc(lc.cached_tokens)
         metrics.REQUESTS_PREEMPTED.inc(lc.num_preemptions)

@@ -142,3 +142,17 @@ async def test_unknown_chat_role_is_invalid_argument(tokenizer: Tokenizer) -> No
             _ = [r async for r in stub.Generate(req)]
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "wizard" in (info.value.details() or "")
+
+
+async def test_grpc_errors_are_counted(tokenizer: Tokenizer) -> None:
+    """QA metrics: gRPC errors count in pdserve_request_errors_total like HTTP ones."""
+    from pdserve import metrics
+
+    errors = metrics.REQUEST_ERRORS.labels(code="400")
+    async with gateway(tokenizer) as (_c, _router, channel):
+        stub = gpb_grpc.GenerationStub(channel)
+        before = errors._value.get()
+        req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[-1]), sampling=wpb.SamplingParams())
+        with pytest.raises(grpc.aio.AioRpcError):
+            _ = [r async for r in stub.Generate(req)]
+        assert errors._value.get() == before + 1

@@ -208,3 +208,22 @@ async def test_close_ends_sequences_even_when_a_cancellation_is_lost(
         assert router.admission.num_queued == 0
     finally:
         await cluster.close()
+
+
+async def test_tokens_of_a_request_past_its_deadline_are_counted(tokenizer: Tokenizer) -> None:
+    """QA metrics: tokens streamed before a deadline hit count in generation_tokens_total."""
+    from pdserve import metrics
+    from router.errors import RequestTimeout
+
+    cluster = await start_fake_cluster(decodes=[{"step_s": 0.02}])
+    try:
+        router = make_router(cluster, tokenizer, request_timeout_s=0.3)
+        before = metrics.GENERATION_TOKENS._value.get()
+        stream = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        seen = 0
+        with pytest.raises(RequestTimeout):
+            async for d in stream:
+                seen += len(d.tokens)
+        assert seen > 0 and metrics.GENERATION_TOKENS._value.get() - before == seen
+    finally:
+        await cluster.close()
