@@ -103,7 +103,14 @@ def spawn(coro: Coroutine[Any, Any, object]) -> None:
     """Run ``coro`` in the background, keeping a reference until it finishes."""
     task: asyncio.Task[object] = asyncio.ensure_future(coro)
     _background.add(task)
-    task.add_done_callback(_background.discard)
+    task.add_done_callback(_background_done)
+
+
+def _background_done(task: asyncio.Task[object]) -> None:
+    """Forget a finished background task; log (never leave unretrieved) its exception."""
+    _background.discard(task)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("background task failed: %r", exc)
 
 
 async def drain_background(timeout_s: float = 5.0) -> None:

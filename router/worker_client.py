@@ -71,6 +71,9 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             log.warning("abort %s on %s failed: %s", request_id, self.worker_id, e.code().name)
             return False
+        except grpc.aio.UsageError:  # the worker was removed and its channel closed: nothing held
+            log.debug("abort %s on %s: channel closed (worker removed)", request_id, self.worker_id)
+            return False
         return bool(resp.found)
 
     async def get_stats(self, timeout_s: float = 2.0) -> pb.PrefillStats | pb.DecodeStats:

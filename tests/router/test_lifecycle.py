@@ -11,7 +11,13 @@ from fake_workers import EOS, FakeCluster, next_token, start_fake_cluster
 
 from pdserve.sampling_params import SamplingParams
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
-from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState, drain_background
+from router.lifecycle import (
+    LifecycleConfig,
+    RequestLifecycle,
+    RequestState,
+    drain_background,
+    spawn,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -296,5 +302,20 @@ async def test_concurrent_sequences_spread_over_decode_workers() -> None:
         outs = await asyncio.gather(*(collect(lc) for lc in lcs))
         assert all(o == expected(PROMPT, 6) for o in outs)
         assert len(c.decodes[0].requests) >= 2 and len(c.decodes[1].requests) >= 2
+    finally:
+        await c.close()
+
+
+async def test_abort_on_a_removed_worker_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """QA R3: Abort through a closed channel (worker removed) returns False, raises nothing."""
+    c = await start_fake_cluster()
+    try:
+        state = c.pool.get("decode-0")
+        assert state is not None
+        await state.client.close()
+        assert await state.client.abort("gone", 0.5) is False
+        spawn(state.client.abort("gone-too", 0.5))
+        await drain_background()
+        assert "never retrieved" not in caplog.text
     finally:
         await c.close()
