@@ -47,6 +47,48 @@ def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_TEMPERATURE or p.top_k == 1
 
 
+def _modifies_logits(s: ScheduledSeq) -> bool:
+    """Whether a penalty or the min_tokens mask changes this row's logits this step."""
+    p = s.sampling
+    return (
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0
+        or p.presence_penalty != 0
+        or len(s.output_token_ids) < p.min_tokens
+    )
+
+
+# Columns per block of the two-level argmax (speed only; any value gives the same indices).
+ARGMAX_BLOCK = 256
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D tensor [rows, cols] -> int64 [rows], the same indices
+    (the first maximal one; NaN counts as maximal, as in torch), computed in two levels.
+
+    torch's CPU argmax over a long row runs at ~1 element/ns (0.65 ms for 16 x 49152 fp32 on this
+    project's EPYC) while ``amax`` is vectorised ~20x faster; so take the max of each
+    ``ARGMAX_BLOCK``-column block, argmax over those block maxima (the first block holding the
+    row's max), then argmax inside that one block: ~8x faster end to end. Columns past the last
+    whole block are compared separately.
+    """
+    rows, cols = x.shape
+    nb = cols // ARGMAX_BLOCK
+    if nb < 2 or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    head = x[:, : nb * ARGMAX_BLOCK].reshape(rows, nb, ARGMAX_BLOCK)
+    block = head.amax(dim=-1).argmax(dim=-1)  # [rows]
+    best = head[torch.arange(rows, device=x.device), block]  # [rows, ARGMAX_BLOCK]
+    idx = block * ARGMAX_BLOCK + best.argmax(dim=-1)
+    if nb * ARGMAX_BLOCK == cols:
+        return idx
+    tail_idx = x[:, nb * ARGMAX_BLOCK :].argmax(dim=-1) + nb * ARGMAX_BLOCK
+    head_val = x.gather(1, idx[:, None]).squeeze(1)
+    tail_val = x.gather(1, tail_idx[:, None]).squeeze(1)
+    take_tail = (tail_val > head_val) | (tail_val.isnan() & ~head_val.isnan())
+    return torch.where(take_tail, tail_idx, idx)
+
+
 def position_seed(seed: int, position: int) -> int:
     """Generator seed for output token ``position`` (0-based) of a request seeded with ``seed``.
 
@@ -110,26 +152,27 @@ class Sampler:
         x = self._processed(logits, seqs)
         greedy = [_is_greedy(p) for p in params]
         if all(greedy):
-            tokens = x.argmax(dim=-1)
+            tokens = row_argmax(x)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=x.device)
             g_rows = [i for i in range(n) if greedy[i]]
             s_rows = [i for i in range(n) if not greedy[i]]
             if g_rows:
-                tokens[g_rows] = x[g_rows].argmax(dim=-1)
+                tokens[g_rows] = row_argmax(x[g_rows])
             s_seqs = [seqs[i] for i in s_rows]
             probs = self._truncated_probs(x[s_rows], [p.sampling for p in s_seqs])
             noise = self._noise(s_seqs, probs.shape[1], probs.device)  # [rows, vocab], Exp(1)
-            tokens[s_rows] = (probs / noise).argmax(dim=-1)
+            tokens[s_rows] = row_argmax(probs / noise)
 
         return self._results(tokens, raw_logprobs, lp_rows, params)
 
     def processed_logits(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32.
-
-        Raises ValueError as ``__call__``.
+        """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32,
+        a new tensor (never ``logits`` itself). Raises ValueError as ``__call__``.
         """
-        return self._processed(self._check_shape(logits, len(seqs)), seqs)
+        raw = self._check_shape(logits, len(seqs))
+        x = self._processed(raw, seqs)
+        return x.clone() if x is raw else x
 
     def distribution(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """The probabilities each row's token is drawn from: [n, vocab] fp32, rows sum to 1.
@@ -155,6 +198,10 @@ class Sampler:
         return logits[:, : self.vocab_size].float()
 
     def _processed(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Penalties and the min_tokens mask applied to a copy of ``logits`` [n, vocab]; when no
+        row has any, ``logits`` itself (no copy of a [n, vocab] tensor)."""
+        if not any(_modifies_logits(s) for s in seqs):
+            return logits
         x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)

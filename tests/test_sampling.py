@@ -9,7 +9,7 @@ import torch
 
 from pdserve import sampling
 from pdserve.engine.batch import ScheduledSeq
-from pdserve.sampling import Sampler, position_seed
+from pdserve.sampling import Sampler, position_seed, row_argmax
 from pdserve.sampling_params import SamplingError, SamplingParams
 
 # A hand-made distribution over 4 tokens (and its logits).
@@ -365,3 +365,16 @@ def test_sampler_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="eos_token_ids"):
         Sampler(10, eos_token_ids=[10])
     assert s(torch.zeros(0, 10), []) == []
+
+
+@pytest.mark.parametrize("cols", [7, 512, 600, 49152])
+def test_row_argmax_equals_torch_argmax(cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(5, cols, generator=gen)
+    x[1] = 0.0  # all tied: the first index
+    x[2, -1] = 100.0  # the max in the last column (a partial tail block when cols % 256)
+    x[3, cols // 2] = float("nan")  # NaN counts as maximal
+    x[4, :] = float("-inf")
+    x[4, cols - 3 :] = 1.0  # ties at the very end
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[:0]), x[:0].argmax(dim=-1))
