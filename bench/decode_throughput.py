@@ -49,6 +49,7 @@ from decode_worker.request import (  # noqa: E402
 )
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
+from pdserve.model.cpu_linear import PackedLinear  # noqa: E402
 from pdserve.model.resolve import resolve_model  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -106,7 +107,15 @@ def floor_step_ms(
     """
     mc = runner.model_config
     elem = torch.empty((), dtype=runner.dtype).element_size()
-    params = sum(p.numel() for p in runner.model.parameters())
+    model = runner.model
+    params = sum(p.numel() for p in model.parameters())
+    # oneDNN-packed linears hold their weights outside parameters(); a tied model's packed
+    # lm_head is a copy of the embedding, already counted
+    params += sum(
+        m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and not (mc.tie_word_embeddings and m is model.lm_head)
+    )
     # Tied: the one embedding matrix is the LM head (a matmul). Untied: the lookup is no matmul.
     embed = mc.vocab_size * mc.hidden_size
     matmul_params = params if mc.tie_word_embeddings else params - embed
