@@ -5,6 +5,8 @@ Variables (all optional):
 - ``PDSERVE_API_KEY``: Bearer key the gateways require when ``--api-key`` is not given.
 - ``PDSERVE_LOG_LEVEL``: log level name for ``pdserve`` processes (default ``INFO``).
 - ``PDSERVE_RAY_ADDRESS``: Ray cluster to join when ``--ray-address`` is not given.
+- ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
+  unless already set.
 
 Each function reads the environment when called (not at import), so tests can set variables with
 ``monkeypatch.setenv``.
@@ -18,6 +20,7 @@ import os
 API_KEY = "PDSERVE_API_KEY"
 LOG_LEVEL = "PDSERVE_LOG_LEVEL"
 RAY_ADDRESS = "PDSERVE_RAY_ADDRESS"
+GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 
 
 def _get(name: str) -> str | None:
@@ -48,3 +51,15 @@ def log_level() -> int:
             f"{LOG_LEVEL}={name!r} is not a log level; use DEBUG, INFO, WARNING or ERROR"
         )
     return level
+
+
+def configure_grpc_fork_support() -> None:
+    """Turn gRPC's fork handlers off (``GRPC_ENABLE_FORK_SUPPORT=0``) unless the user set it.
+
+    Call before gRPC is imported and before Ray starts (its processes inherit the variable).
+    With the handlers on, every ``fork()`` while gRPC threads run logs "fork_posix.cc: Other
+    threads are currently calling into gRPC, skipping fork() handlers". It is safe off because
+    no pdserve process forks a child that goes on using its parent's gRPC state: children are
+    fork+exec'd (Ray workers, subprocesses) and open their own channels.
+    """
+    os.environ.setdefault(GRPC_FORK_SUPPORT, "0")

@@ -167,6 +167,15 @@ class RayCluster:
 
         Raises RuntimeError naming the worker that failed to start.
         """
+        self.init_ray()
+        await self._start_workers()
+
+    def init_ray(self) -> None:
+        """Start or join Ray (idempotent; blocks for the seconds Ray takes to start).
+
+        NOTE: ``ray.init`` replaces the process's SIGTERM handler; a caller that handles
+        signals itself installs its handlers again afterwards.
+        """
         if not ray.is_initialized():
             t0 = time.monotonic()
             if self.ray_address:
@@ -184,6 +193,8 @@ class RayCluster:
                 f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
                 f"(more routers: pdserve router --ray-address {self.gcs_address})"
             )
+
+    async def _start_workers(self) -> None:
         if self._classes is None:
             self._classes = default_actor_classes()
         self._registry = WorkerRegistry.options(  # type: ignore[attr-defined]

@@ -100,6 +100,11 @@ class Frontend:
                 self._http_task.result()
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
+        self.capture_signals()
+
+    def capture_signals(self) -> None:
+        """Make SIGINT and SIGTERM set ``stopping``. Call again after ``ray.init()``: Ray installs
+        its own SIGTERM handler (a fatal-signal stack dump) over ours."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):

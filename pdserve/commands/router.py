@@ -100,6 +100,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    env.configure_grpc_fork_support()  # before gRPC or Ray load
     setup_logging(args.log_level)
     address = args.ray_address or env.ray_address()
     if not address:

@@ -387,6 +387,8 @@ async def serve_async(
     code = 0
     ticker = asyncio.ensure_future(_ticker("starting Ray and the workers (model load)"))
     try:
+        cluster.init_ray()
+        frontend.capture_signals()  # SIGTERM stops cleanly (Ray installed its own handler)
         started = await _until_stopped(frontend.stopping, asyncio.ensure_future(cluster.start()))
         ticker.cancel()
         if started:
@@ -419,6 +421,7 @@ def _shutdown_ray() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    env.configure_grpc_fork_support()  # before gRPC or Ray load
     setup_logging(args.log_level)
     try:
         plan = build_plan(args)

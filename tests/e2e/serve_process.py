@@ -35,6 +35,7 @@ class ServeProcess:
         self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
+        self.last_output = ""
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="pdserve-e2e-", suffix=".log", delete=False
         )
@@ -72,15 +73,17 @@ class ServeProcess:
             time.sleep(0.5)
         raise RuntimeError(f"pdserve serve not ready after {timeout_s} s:\n{self.output()}")
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGINT (Ctrl-C), wait for a clean exit; SIGKILL the process group if it hangs."""
+    def stop(self, timeout_s: float = 60.0, sig: int = signal.SIGINT) -> int:
+        """``sig`` (Ctrl-C by default), wait for a clean exit; SIGKILL the process group if it
+        hangs. The server's log stays readable as ``last_output``."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.last_output = self.output()
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode

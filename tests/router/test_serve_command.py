@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import pytest
 
@@ -93,3 +94,14 @@ def test_taken_port_names_the_flag() -> None:
             bind_socket("127.0.0.1", port, "--port")
     finally:
         first.close()
+
+
+def test_grpc_fork_support_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC fork handlers off for our processes (log spam), a user's choice kept."""
+
+    monkeypatch.delenv(env.GRPC_FORK_SUPPORT, raising=False)
+    env.configure_grpc_fork_support()
+    assert os.environ[env.GRPC_FORK_SUPPORT] == "0"
+    monkeypatch.setenv(env.GRPC_FORK_SUPPORT, "1")
+    env.configure_grpc_fork_support()
+    assert os.environ[env.GRPC_FORK_SUPPORT] == "1"
