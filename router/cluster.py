@@ -35,12 +35,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pdserve.config import EngineConfig
 from pdserve.worker_info import WorkerInfo
+from router.errors import Conflict, InsufficientResources
 from router.pool import WorkerPool
 from router.worker_client import ROLES, WorkerClient
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
+MAX_WORKERS_PER_ROLE = 64  # /admin/scale bound: far beyond one node, catches typos like 2000
 REGISTRY_NAME = "pdserve-registry"
 
 
@@ -286,19 +288,43 @@ class RayCluster:
         return [a.worker_id for a in self._actors.values() if a.role == role and not a.retiring]
 
     async def scale(self, role: str, count: int) -> None:
-        """Run exactly ``count`` workers of ``role``. Raises ValueError for a bad role/count."""
+        """Run exactly ``count`` workers of ``role`` (at most MAX_WORKERS_PER_ROLE).
+
+        Raises ValueError for a bad role/count; Conflict (409) while another scale runs (the
+        lock is never waited on); InsufficientResources (503) when Ray has too few free CPUs/GPUs
+        for the new workers (checked before any actor is created, so nothing waits forever for
+        placement); RuntimeError when a new worker fails to start.
+        """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if count < (1 if role == "decode" else 0):
-            raise ValueError(f"cannot scale {role} workers to {count}")
+        if not (1 if role == "decode" else 0) <= count <= MAX_WORKERS_PER_ROLE:
+            raise ValueError(
+                f"cannot scale {role} workers to {count}: the range is "
+                f"[{1 if role == 'decode' else 0}, {MAX_WORKERS_PER_ROLE}]"
+            )
+        if self._lock.locked():
+            raise Conflict("another scale operation is in progress; retry when it has finished")
         async with self._lock:
             live = self.workers(role)
             if count > len(live):
+                self._check_room(count - len(live))
                 self._progress(f"scaling {role} workers {len(live)} -> {count}")
                 await self._launch(role, count - len(live))
             for worker_id in reversed(live[count:]):
                 self._progress(f"retiring {worker_id}")
                 await self._retire(self._actors[worker_id])
+
+    def _check_room(self, num_workers: int) -> None:
+        """Raise InsufficientResources unless Ray has free CPUs/GPUs for ``num_workers`` more."""
+        free = ray.available_resources()
+        need = {"CPU": self._cpus * num_workers, "GPU": self._gpus * num_workers}
+        for name, amount in need.items():
+            have = float(free.get(name, 0.0))
+            if amount > 0 and have + 1e-9 < amount:
+                raise InsufficientResources(
+                    f"not enough free {name} in the Ray cluster for {num_workers} more worker(s): "
+                    f"need {amount:g}, {have:g} free; add nodes or scale another role down first"
+                )
 
     async def _retire(self, actor: _Actor) -> None:
         actor.retiring = True

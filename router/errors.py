@@ -109,3 +109,21 @@ class WorkerFailure(RouterError):
     type = "server_error"
     code = "worker_failure"
     grpc_code = grpc.StatusCode.INTERNAL
+
+
+class Conflict(RouterError):
+    """409: the operation clashes with one in progress (e.g. two /admin/scale at once)."""
+
+    status = 409
+    type = "conflict"
+    code = "operation_in_progress"
+    grpc_code = grpc.StatusCode.ABORTED
+
+
+class InsufficientResources(RouterError):
+    """503: the cluster has no room (CPU/GPU) for the workers asked for."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "insufficient_resources"
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -45,7 +45,13 @@ from pdserve import metrics
 from pdserve.engine.batch import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
-from router.errors import BadRequest, ModelNotFound, RouterError, Unauthorized
+from router.errors import (
+    BadRequest,
+    InsufficientResources,
+    ModelNotFound,
+    RouterError,
+    Unauthorized,
+)
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import ChoiceDelta, RequestStream, Router
 
@@ -666,7 +672,12 @@ def build_app(
                     f"'count' must be >= {1 if body.role == 'decode' else 0} for {body.role}",
                     param="count",
                 )
-            await control.scale(body.role, body.count)
+            try:
+                await control.scale(body.role, body.count)
+            except ValueError as e:
+                raise BadRequest(str(e), param="count") from None
+            except RuntimeError as e:  # a new worker failed to start (RouterErrors pass through)
+                raise InsufficientResources(f"scaling {body.role} failed: {e}") from None
             return {"workers": control.describe()}
 
         app.include_router(admin)

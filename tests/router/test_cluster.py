@@ -108,3 +108,27 @@ async def test_cluster_launch_restart_scale_and_follow(
     finally:
         await cluster.stop()
         await pool.close()
+
+
+async def test_scale_beyond_free_cpus_is_refused_at_once(local_ray: str) -> None:
+    """QA H2: no placement wait and no 500: Ray's free CPUs are checked before launching."""
+    from router.cluster import MAX_WORKERS_PER_ROLE
+    from router.errors import InsufficientResources
+
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": FakeWorkerActor, "decode": FakeWorkerActor}
+    big = ClusterSpec(
+        engine=EngineConfig(), num_prefill_workers=0, num_decode_workers=1, cpus_per_worker=1.5
+    )
+    cluster = RayCluster(big, pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(InsufficientResources, match="CPU"):
+            await cluster.scale("prefill", 2)  # 3 CPUs more; 4 - 1.5 = 2.5 free
+        assert time.monotonic() - t0 < 2.0 and cluster.workers("prefill") == []
+        with pytest.raises(ValueError, match="range"):
+            await cluster.scale("prefill", MAX_WORKERS_PER_ROLE + 1)
+    finally:
+        await cluster.stop()
+        await pool.close()

@@ -310,3 +310,52 @@ async def test_stop_reason_and_finish_chunk(tokenizer: Tokenizer, stream: bool) 
             assert (last["finish_reason"], last["stop_reason"]) == (finish, stop_reason), extra
             assert last["logprobs"]["content"], "the last token's logprobs ride in the finish"
             assert all(c["choices"][0]["delta"] for c in chunks[:-1]), "an empty token chunk"
+
+
+class _SlowControl:
+    """A ClusterControl whose scale takes a while and refuses overlapping calls, like RayCluster."""
+
+    def __init__(self) -> None:
+        self.busy = False
+
+    def describe(self) -> list[dict[str, object]]:
+        return []
+
+    async def scale(self, role: str, count: int) -> None:
+        from router.cluster import MAX_WORKERS_PER_ROLE
+        from router.errors import Conflict
+
+        if count > MAX_WORKERS_PER_ROLE:
+            raise ValueError(f"cannot scale {role} workers to {count}")
+        if self.busy:
+            raise Conflict("another scale operation is in progress")
+        if count == 7:
+            raise RuntimeError("worker prefill-3 failed to start: no placement")
+        self.busy = True
+        try:
+            await asyncio.sleep(0.3)
+        finally:
+            self.busy = False
+
+
+async def test_admin_scale_never_500_never_waits_on_a_busy_lock(tokenizer: Tokenizer) -> None:
+    """H2: bad counts are 400, an overlapping scale 409, a worker that cannot start 503."""
+    from router.http_gateway import build_app
+
+    async with env(tokenizer) as e:
+        app = build_app(e.router, control=_SlowControl())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            r = await client.post("/admin/scale", json={"role": "prefill", "count": 2000})
+            assert_openai_error(r, 400, "count")
+            first = asyncio.ensure_future(
+                client.post("/admin/scale", json={"role": "prefill", "count": 2})
+            )
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            r = await client.post("/admin/scale", json={"role": "prefill", "count": 3})
+            assert_openai_error(r, 409)
+            assert time.monotonic() - t0 < 0.2
+            assert (await first).status_code == 200
+            r = await client.post("/admin/scale", json={"role": "prefill", "count": 7})
+            assert "failed to start" in assert_openai_error(r, 503)["message"]
