@@ -134,7 +134,8 @@ class RayCluster:
     """Owns the worker actors of one ``pdserve serve`` and keeps ``pool`` in step with them.
 
     ``actor_classes``: role -> actor class (tests inject fakes; default: the real workers).
-    ``progress``: called with one human-readable line per startup step.
+    ``progress``: called with one human-readable line per startup step. ``on_worker_ready``:
+    called each time a worker has loaded and registered (startup progress displays).
     """
 
     def __init__(
@@ -144,8 +145,10 @@ class RayCluster:
         ray_address: str | None = None,
         actor_classes: dict[str, type] | None = None,
         progress: Callable[[str], None] | None = None,
+        on_worker_ready: Callable[[WorkerInfo], None] | None = None,
     ) -> None:
         self.spec = spec
+        self._on_worker_ready = on_worker_ready
         self.pool = pool
         self.ray_address = ray_address
         self._classes = actor_classes
@@ -263,6 +266,8 @@ class RayCluster:
             f"({info.num_blocks} KV blocks of {info.block_size} tokens) "
             f"in {time.monotonic() - t0:.1f} s"
         )
+        if self._on_worker_ready is not None:
+            self._on_worker_ready(info)
         return info
 
     async def _launch(self, role: str, count: int) -> None:

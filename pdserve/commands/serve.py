@@ -7,8 +7,9 @@ and the gRPC API (``--grpc-port``, default 50051) through one router. Flag names
 workers prefill locally (the baseline for differential tests).
 
 Startup order: validate flags and read the model config (no weights) -> bind both ports -> start
-Ray and the workers (each loads the weights; progress lines are printed) -> print where to
-connect. Ctrl-C (or SIGTERM) stops the gateways, then the workers, then Ray.
+Ray and the workers (each loads the weights; a tqdm bar of workers loaded on a terminal, progress
+lines otherwise) -> print where to connect. Ctrl-C (or SIGTERM) stops the gateways, then the
+workers, then Ray.
 """
 
 from __future__ import annotations
@@ -310,12 +311,60 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         say(line)
 
 
-async def _ticker(label: str, every_s: float = 10.0) -> None:
-    """Print that ``label`` is still in progress every ``every_s`` seconds."""
-    t0 = time.monotonic()
-    while True:
-        await asyncio.sleep(every_s)
-        say(f"{label}... {time.monotonic() - t0:.0f} s")
+class StartupProgress:
+    """Startup display on stderr: a live tqdm bar of workers loaded, with elapsed time, when
+    stderr is a terminal; otherwise (logs, CI) a "still starting" line every ``every_s`` seconds.
+
+    ``line()`` prints a progress line without tearing the bar.
+    """
+
+    def __init__(self, num_workers: int, label: str, every_s: float = 10.0) -> None:
+        from tqdm import tqdm
+
+        self.label = label
+        self.every_s = every_s
+        self._t0 = time.monotonic()
+        self._bar = tqdm(
+            total=num_workers,
+            desc=f"[pdserve] {label}",
+            unit="worker",
+            file=sys.stderr,
+            disable=None,  # only on a terminal
+            dynamic_ncols=True,
+            bar_format="{desc}: {n_fmt}/{total_fmt} workers loaded |{bar}| {elapsed}",
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        """True when the bar is drawn (stderr is a terminal)."""
+        return not self._bar.disable
+
+    def line(self, text: str) -> None:
+        if self.live:
+            self._bar.write(f"[pdserve] {text}", file=sys.stdout)
+        else:
+            say(text)
+
+    def worker_ready(self, _info: object = None) -> None:
+        self._bar.update(1)
+
+    def start(self) -> None:
+        """Keep the elapsed time moving (or print the periodic line); needs a running loop."""
+        self._task = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.5 if self.live else self.every_s)
+            if self.live:
+                self._bar.refresh()
+            else:
+                say(f"{self.label}... {time.monotonic() - self._t0:.0f} s")
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._bar.close()
 
 
 async def _until_stopped(stopping: asyncio.Event, work: asyncio.Future[Any]) -> bool:
@@ -351,6 +400,8 @@ async def serve_async(
     )
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, s.engine.load.model))
     pool = WorkerPool()
+    num_workers = s.num_decode_workers + s.num_prefill_workers  # prefill is 0 when unified
+    progress = StartupProgress(num_workers, "starting Ray and the workers (model load)")
     cluster = RayCluster(
         ClusterSpec(
             engine=s.engine,
@@ -361,7 +412,8 @@ async def serve_async(
         pool,
         ray_address=s.ray_address,
         actor_classes=actor_classes,
-        progress=say,
+        progress=progress.line,
+        on_worker_ready=progress.worker_ready,
     )
     tokenizer = await tokenizer_task
     router = Router(
@@ -385,12 +437,12 @@ async def serve_async(
     )
     await frontend.start()  # ports first: a conflict fails before any worker starts
     code = 0
-    ticker = asyncio.ensure_future(_ticker("starting Ray and the workers (model load)"))
+    progress.start()
     try:
         cluster.init_ray()
         frontend.capture_signals()  # SIGTERM stops cleanly (Ray installed its own handler)
         started = await _until_stopped(frontend.stopping, asyncio.ensure_future(cluster.start()))
-        ticker.cancel()
+        progress.close()
         if started:
             pool.start()
             print_ready(frontend.urls(), plan, bool(s.api_key))
@@ -402,7 +454,7 @@ async def serve_async(
         say(f"error: {e}")
         code = 1
     finally:
-        ticker.cancel()
+        progress.close()
         await frontend.stop()
         await drain_background(2.0)
         await cluster.stop()

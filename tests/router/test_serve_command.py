@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import io
 import logging
 import os
+import sys
 
 import pytest
 
@@ -105,3 +108,38 @@ def test_grpc_fork_support_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(env.GRPC_FORK_SUPPORT, "1")
     env.configure_grpc_fork_support()
     assert os.environ[env.GRPC_FORK_SUPPORT] == "1"
+
+
+async def test_startup_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: model loading shows a progress bar (stderr, terminal); lines go to stdout."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err, out = Tty(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "stdout", out)
+    p = serve.StartupProgress(2, "loading")
+    assert p.live
+    p.start()
+    p.line("prefill-0 ready")
+    p.worker_ready()
+    await asyncio.sleep(0.6)  # one refresh of the elapsed time
+    p.worker_ready()
+    p.close()
+    assert "2/2 workers loaded" in err.getvalue() and "1/2 workers loaded" in err.getvalue()
+    assert "[pdserve] prefill-0 ready" in out.getvalue()
+
+
+async def test_startup_progress_in_a_log_prints_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    p = serve.StartupProgress(1, "loading", every_s=0.1)
+    assert not p.live
+    p.start()
+    await asyncio.sleep(0.25)
+    p.line("decode-0 ready")
+    p.worker_ready()
+    p.close()
+    out, err = capsys.readouterr()
+    assert "[pdserve] loading... 0 s" in out and "[pdserve] decode-0 ready" in out
+    assert "workers loaded" not in err
