@@ -394,7 +394,12 @@ class RayCluster:
                 log.warning("worker %s does not answer Ray pings", actor.worker_id)
                 self.pool.remove(actor.worker_id)
                 await self._registry.remove.remote(actor.worker_id)
-            elif now - actor.down_since > self.spec.replace_after_s:
+            elif (
+                now - actor.down_since > self.spec.replace_after_s
+                or actor.restarts >= self.spec.max_restarts
+            ):
+                # NOTE: once Ray has restarted an actor max_restarts times it never comes back,
+                # so waiting replace_after_s would only keep the role short of a worker.
                 log.error("worker %s is gone; launching a replacement", actor.worker_id)
                 self._actors.pop(actor.worker_id, None)
                 await self._kill(actor, graceful=False)

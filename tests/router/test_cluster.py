@@ -132,3 +132,33 @@ async def test_scale_beyond_free_cpus_is_refused_at_once(local_ray: str) -> None
     finally:
         await cluster.stop()
         await pool.close()
+
+
+async def test_worker_out_of_restarts_is_replaced_at_once(local_ray: str) -> None:
+    """QA R2: once Ray will not restart an actor again, a replacement starts within seconds,
+    not after replace_after_s."""
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": FakeWorkerActor, "decode": FakeWorkerActor}
+    no_restarts = ClusterSpec(
+        engine=EngineConfig(), num_prefill_workers=0, num_decode_workers=1,
+        cpus_per_worker=0.25, health_interval_s=0.3, max_restarts=0, replace_after_s=600.0,
+    )  # fmt: skip
+    cluster = RayCluster(no_restarts, pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    pool.start()
+    try:
+        handle = ray.get_actor("decode-0", namespace="pdserve")
+        with pytest.raises(ray.exceptions.RayActorError):
+            await handle.crash.remote()
+        t0 = time.monotonic()
+
+        def replaced() -> bool:
+            live = [w for w in pool.workers("decode") if w.healthy]
+            return bool(live) and all(w.worker_id != "decode-0" for w in live)
+
+        await wait_for(replaced, timeout_s=60.0)
+        assert time.monotonic() - t0 < 60.0
+        assert "decode-0" not in {d["worker_id"] for d in cluster.describe()}
+    finally:
+        await cluster.stop()
+        await pool.close()
