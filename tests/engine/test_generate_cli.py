@@ -42,4 +42,4 @@ def test_unsupported_architecture_one_line(tmp_path: Path, capsys: pytest.Captur
 def test_bad_sampling_value_one_line(capsys: pytest.CaptureFixture) -> None:
     rc = main(["generate", "--prompt", "hi", "--temperature", "-1"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "\n" not in err and "'temperature' must be >= 0" in err
+    assert rc == 2 and "\n" not in err and "'temperature' must be in [0, 2]" in err
