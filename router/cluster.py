@@ -186,6 +186,18 @@ class RayCluster:
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=True)
             else:
+                self._init_local_ray()
+            where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
+            self._progress(
+                f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
+                f"(more routers: pdserve router --ray-address {self.gcs_address})"
+            )
+
+    def _init_local_ray(self, attempts: int = 2) -> None:
+        """Start a local Ray node. Ray gives its raylet a fixed 30 s to register; on a loaded
+        machine that can pass, so a node that timed out during startup is retried once."""
+        for attempt in range(1, attempts + 1):
+            try:
                 ray.init(
                     num_cpus=self._ray_cpus,
                     namespace=NAMESPACE,
@@ -193,11 +205,12 @@ class RayCluster:
                     log_to_driver=True,
                     logging_level=logging.WARNING,
                 )
-            where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
-            self._progress(
-                f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
-                f"(more routers: pdserve router --ray-address {self.gcs_address})"
-            )
+                return
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
+                if attempt == attempts or "timed out during startup" not in str(e):
+                    raise
+                log.warning("Ray node timed out during startup; retrying (%s)", e)
+                ray.shutdown()
 
     async def _start_workers(self) -> None:
         if self._classes is None:
