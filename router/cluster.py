@@ -215,9 +215,7 @@ class RayCluster:
     async def _start_workers(self) -> None:
         if self._classes is None:
             self._classes = default_actor_classes()
-        self._registry = WorkerRegistry.options(  # type: ignore[attr-defined]
-            name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True
-        ).remote()
+        self._registry = await self._live_registry()
         self._progress(
             f"launching {self.spec.num_prefill_workers} prefill + {self.spec.num_decode_workers} "
             f"decode workers ({self._cpus:g} CPU, {self._gpus:g} GPU each); loading the model..."
@@ -225,6 +223,23 @@ class RayCluster:
         await self._launch("prefill", self.spec.num_prefill_workers)
         await self._launch("decode", self.spec.num_decode_workers)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
+
+    @staticmethod
+    async def _live_registry(attempts: int = 20) -> Any:
+        """The named registry actor, created if absent. A registry left by an earlier router
+        in the same Ray cluster may still be shutting down (its last handle just went away), and
+        ``get_if_exists`` then hands back the dying actor: probe it and ask again until a live
+        one answers."""
+        for _ in range(attempts):
+            registry = WorkerRegistry.options(  # type: ignore[attr-defined]
+                name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True
+            ).remote()
+            try:
+                await registry.list.remote()
+                return registry
+            except RayActorError:
+                await asyncio.sleep(0.25)
+        raise RuntimeError(f"Ray actor {REGISTRY_NAME!r} could not be created")
 
     async def stop(self) -> None:
         """Stop health checks and every actor (best effort, never raises)."""
