@@ -231,8 +231,10 @@ class RayCluster:
         ``get_if_exists`` then hands back the dying actor: probe it and ask again until a live
         one answers."""
         for _ in range(attempts):
+            # detached: its lifetime is the cluster's, not that of whichever router object
+            # happened to create it (stop() kills it with the workers it lists)
             registry = WorkerRegistry.options(  # type: ignore[attr-defined]
-                name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True
+                name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
             ).remote()
             try:
                 await registry.list.remote()
@@ -250,6 +252,10 @@ class RayCluster:
         for a in list(self._actors.values()):
             await self._kill(a, graceful=True)
         self._actors.clear()
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self._registry)
+            self._registry = None
 
     # -- launching ------------------------------------------------------------------------------
 
