@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import pdserve.tokenizer.hf as hf_mod
 from pdserve.config import ConfigError
+from pdserve.model.gguf_file import read_gguf_metadata
 from pdserve.tokenizer import (
     IncrementalDetokenizer,
     StopMatcher,
@@ -28,7 +29,6 @@ from pdserve.tokenizer import (
     load_tokenizer,
 )
 from pdserve.tokenizer.detokenizer import CONTEXT_TOKENS, MAX_PENDING_TOKENS, REBASE_EVERY
-from pdserve.tokenizer.gguf_meta import read_gguf_scalars
 
 FFFD = "\ufffd"
 MIXED_TEXT = "Hello 😀 world! 你好，世界。🎉🇫🇷 café naïve ✓ 👨‍👩‍👧 end"
@@ -388,14 +388,14 @@ def test_smollm2_chat_template(smol: Tokenizer) -> None:
 def test_smollm2_gguf_metadata() -> None:
     from pdserve.model.resolve import smollm2_path
 
-    meta = read_gguf_scalars(smollm2_path())
+    meta = read_gguf_metadata(smollm2_path())
     assert meta["general.architecture"] == "llama"
     assert meta["tokenizer.ggml.eos_token_id"] == 2
     assert meta["llama.block_count"] == 30
 
 
 def test_gguf_metadata_skips_arrays(tiny_gguf: Path) -> None:
-    meta = read_gguf_scalars(tiny_gguf)
+    meta = read_gguf_metadata(tiny_gguf)
     assert meta["tokenizer.ggml.model"] == "gpt2"
     assert meta["tokenizer.ggml.eot_token_id"] == 0
     assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
@@ -406,11 +406,11 @@ def test_gguf_metadata_rejects_other_files(tmp_path: Path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"NOPE" + b"\0" * 40)
     with pytest.raises(ConfigError, match="not a GGUF file"):
-        read_gguf_scalars(bad)
+        read_gguf_metadata(bad)
     good = _write_tiny_gguf(tmp_path / "t.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(good[:300])
     with pytest.raises(ConfigError, match="truncated or corrupt"):
-        read_gguf_scalars(tmp_path / "cut.gguf")
+        read_gguf_metadata(tmp_path / "cut.gguf")
 
 
 # -- stop strings ---------------------------------------------------------------------------------

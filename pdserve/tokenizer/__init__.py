@@ -3,7 +3,6 @@
 - ``hf``: ``load_tokenizer`` / ``Tokenizer`` (HF tokenizer, chat template, EOS ids; GGUF or HF dir)
 - ``detokenizer``: ``IncrementalDetokenizer`` (token ids -> text pieces, no split-character U+FFFD)
 - ``stop``: ``StopMatcher`` (stop strings inside or across pieces, holding back possible prefixes)
-- ``gguf_meta``: fast read of a GGUF's scalar metadata
 """
 
 from __future__ import annotations

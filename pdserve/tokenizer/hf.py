@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.config import ConfigError
+from pdserve.model.gguf_file import read_gguf_metadata
 from pdserve.model.resolve import resolve_model
-from pdserve.tokenizer.gguf_meta import read_gguf_scalars
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _load_gguf(path: Path, use_disk_cache: bool) -> Tokenizer:
             return Tokenizer(_from_pretrained(entry), meta["eos_token_ids"], str(path))
         except (OSError, ValueError, KeyError, ConfigError) as e:
             log.warning("tokenizer disk cache entry %s unusable (%s); reconverting", entry, e)
-    scalars = read_gguf_scalars(path)
+    scalars = read_gguf_metadata(path)
     eos = _unique_ids([scalars.get(k) for k in _GGUF_EOS_KEYS])
     hf = _from_pretrained(path.parent, gguf_file=path.name)
     tok = Tokenizer(hf, eos, str(path))
