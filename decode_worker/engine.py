@@ -49,7 +49,7 @@ from decode_worker.request import (
 )
 from decode_worker.scheduler import DecodeScheduler, StepPlan
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
 

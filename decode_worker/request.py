@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingParams
 
 # Terminal error codes, named after grpc.StatusCode members; the service maps them to the wire.

@@ -61,7 +61,8 @@ from decode_worker.request import (
     TokensEvent,
 )
 from pdserve.config import SchedulerConfig
-from pdserve.engine.batch import SampledToken, ScheduledSeq
+from pdserve.types import SampledToken
+from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.manager import KVCacheManager
 
 

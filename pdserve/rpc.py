@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from pdserve.v1 import worker_pb2 as pb
 

@@ -33,7 +33,8 @@ from itertools import chain
 
 import torch
 
-from pdserve.engine.batch import SampledToken, ScheduledSeq
+from pdserve.types import SampledToken
+from pdserve.engine.batch import ScheduledSeq
 from pdserve.sampling_params import SamplingError, SamplingParams
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.

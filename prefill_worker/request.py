@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

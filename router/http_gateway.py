@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import metrics
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
 from router.errors import (

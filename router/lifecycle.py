@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 
 from pdserve import metrics, rpc
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.kv_cache.block_pool import prefix_block_hashes
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2 as pb

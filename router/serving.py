@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve import metrics, rpc
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from router.admission import AdmissionController, Ticket, resolve_max_tokens

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import rpc
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.v1 import worker_pb2 as pb
 

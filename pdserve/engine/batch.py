@@ -38,12 +38,3 @@ class ScheduledSeq:
     def num_tokens_after(self) -> int:
         """Sequence length once this step's tokens are in the KV cache."""
         return self.num_computed + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """A sampled token and, when requested, log-probabilities (natural log)."""
-
-    token_id: int
-    logprob: float = 0.0
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first

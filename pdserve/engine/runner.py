@@ -15,7 +15,8 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.batch import SampledToken, ScheduledSeq
+from pdserve.types import SampledToken
+from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype

@@ -23,7 +23,7 @@ from decode_worker.request import (
 )
 from decode_worker.scheduler import DecodeScheduler, SeqState, StepPlan
 from pdserve.config import SchedulerConfig
-from pdserve.engine.batch import SampledToken
+from pdserve.types import SampledToken
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 

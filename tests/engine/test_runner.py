@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, LoadConfig, ModelConfig
-from pdserve.engine.batch import SampledToken, ScheduledSeq
+from pdserve.types import SampledToken
+from pdserve.engine.batch import ScheduledSeq
 from pdserve.engine.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 

@@ -175,7 +175,7 @@ async def test_close_ends_sequences_even_when_a_cancellation_is_lost(
     """QA L2: closing an n=2 stream ends both sequences, even one whose cancellation is lost
     (Python 3.11's ``asyncio.wait_for`` swallows a cancel that races a completed read)."""
     import router.serving as serving
-    from pdserve.engine.batch import SampledToken
+    from pdserve.types import SampledToken
     from router.lifecycle import RequestLifecycle
 
     closed: list[str] = []
