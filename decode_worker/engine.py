@@ -49,9 +49,9 @@ from decode_worker.request import (
 )
 from decode_worker.scheduler import DecodeScheduler, StepPlan
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.types import SampledToken
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
+from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
     from kv_transfer.base import KVReceiver, TransferResult

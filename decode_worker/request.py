@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 
 # Terminal error codes, named after grpc.StatusCode members; the service maps them to the wire.
 CANCELLED = "CANCELLED"

@@ -61,9 +61,9 @@ from decode_worker.request import (
     TokensEvent,
 )
 from pdserve.config import SchedulerConfig
-from pdserve.types import SampledToken
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.manager import KVCacheManager
+from pdserve.types import SampledToken
 
 
 class SeqState(enum.Enum):

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.types import SampledToken
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 
 if TYPE_CHECKING:

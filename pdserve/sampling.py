@@ -33,9 +33,9 @@ from itertools import chain
 
 import torch
 
-from pdserve.types import SampledToken
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.types import SampledToken
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
 GREEDY_TEMPERATURE = 1e-5

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.types import SampledToken
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
+from pdserve.types import SampledToken
 from prefill_worker.request import (
     ALREADY_EXISTS,
     CANCELLED,

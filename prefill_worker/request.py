@@ -18,8 +18,8 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
     from kv_transfer.base import TransferRecord

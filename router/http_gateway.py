@@ -42,9 +42,9 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import metrics
-from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
+from pdserve.types import SampledToken
 from router.errors import (
     BadRequest,
     InsufficientResources,

@@ -48,9 +48,9 @@ from typing import Any
 import grpc
 
 from pdserve import metrics, rpc
-from pdserve.types import SampledToken
 from pdserve.kv_cache.block_pool import prefix_block_hashes
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode

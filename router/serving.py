@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve import metrics, rpc
-from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from pdserve.types import SampledToken
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
 from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState

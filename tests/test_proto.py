@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import rpc
-from pdserve.types import SampledToken
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

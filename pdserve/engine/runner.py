@@ -15,12 +15,12 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.types import SampledToken
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
+from pdserve.types import SampledToken
 
 
 class ModelRunner:

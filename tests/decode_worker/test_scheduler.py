@@ -23,9 +23,9 @@ from decode_worker.request import (
 )
 from decode_worker.scheduler import DecodeScheduler, SeqState, StepPlan
 from pdserve.config import SchedulerConfig
-from pdserve.types import SampledToken
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, LoadConfig, ModelConfig
-from pdserve.types import SampledToken
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.engine.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 
 pytestmark = pytest.mark.timeout(120)
 

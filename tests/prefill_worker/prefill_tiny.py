@@ -18,11 +18,11 @@ from pdserve.config import (
     SchedulerConfig,
     TransferConfig,
 )
-from pdserve.types import SampledToken
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.engine.runner import ModelRunner
 from pdserve.kv_cache.pool import KVPool
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 
 TINY = ModelConfig(
     architecture="LlamaForCausalLM",
