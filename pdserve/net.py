@@ -14,9 +14,12 @@ process is a connected Ray worker.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from dataclasses import dataclass
+
+from pdserve.config import EngineConfig
 
 WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -87,3 +90,15 @@ def listen_socket(host: str, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def engine_config_for(config: EngineConfig, address: WorkerAddress) -> EngineConfig:
+    """``config`` as one worker on one node runs it: its KV receiver advertises
+    ``address.advertise``, listens on ``address.bind`` and requires ``config.internal_token``."""
+    transfer = dataclasses.replace(
+        config.transfer,
+        host=address.advertise,
+        bind_host=address.bind,
+        auth_token=config.internal_token,
+    )
+    return dataclasses.replace(config, transfer=transfer)

@@ -16,6 +16,12 @@ the :class:`router.pool.WorkerPool` this module keeps up to date.
   that stays unreachable for ``replace_after_s`` (restarts exhausted) is replaced by a new one.
 * **Scale**: :meth:`RayCluster.scale` adds actors or retires the newest ones (removed from the
   pool first, so no new request is placed on them, then stopped after a drain delay).
+* **Multi-node**: workers bind and advertise their own node's address (pdserve/net.py); roles go
+  to node groups through Ray custom resources (``prefill_resources``/``decode_resources``, matched
+  by ``ray start --resources``). When a node goes away its workers stop answering pings, leave
+  the pool (the router migrates their live sequences), and are replaced in the background once
+  the cluster has room for them again; joining an existing cluster goes through
+  router/ray_join.py (Ray token authentication).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -37,6 +43,7 @@ from pdserve.config import EngineConfig
 from pdserve.worker_info import WorkerInfo
 from router.errors import Conflict, InsufficientResources
 from router.pool import WorkerPool
+from router.ray_join import join, join_hint
 from router.worker_client import ROLES, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -68,6 +75,8 @@ class ClusterSpec:
     """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (at least 0.5).
 
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
+    ``prefill_resources``/``decode_resources``: Ray custom resources each worker of that role
+    requires (e.g. ``{"pdserve_prefill": 1}``), so roles land on the nodes that advertise them.
     Times in seconds.
     """
 
@@ -82,6 +91,8 @@ class ClusterSpec:
     start_timeout_s: float = 900.0
     replace_after_s: float = 120.0
     drain_s: float = 5.0
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_decode_workers < 1:
@@ -90,6 +101,17 @@ class ClusterSpec:
             raise ValueError("--num-prefill-workers must be >= 0")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
+        for role, res in (("prefill", self.prefill_resources), ("decode", self.decode_resources)):
+            for name, amount in res.items():
+                if name in ("CPU", "GPU", "memory") or not amount > 0:
+                    raise ValueError(
+                        f"--{role}-resources: {name}={amount} must be a custom resource > 0 "
+                        "(CPUs and GPUs have their own flags)"
+                    )
+
+    def resources(self, role: str) -> dict[str, float]:
+        """The custom resources one worker of ``role`` requires."""
+        return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
 
 def local_resources(spec: ClusterSpec) -> tuple[float, float, int]:
@@ -159,6 +181,7 @@ class RayCluster:
         self._monitor: asyncio.Task[None] | None = None
         self._cpus, self._gpus, self._ray_cpus = local_resources(spec)
         self._lock = asyncio.Lock()
+        self._replacements: set[asyncio.Task[None]] = set()
 
     @property
     def gcs_address(self) -> str:
@@ -184,13 +207,13 @@ class RayCluster:
         if not ray.is_initialized():
             t0 = time.monotonic()
             if self.ray_address:
-                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=True)
+                join(self.ray_address, NAMESPACE, log_to_driver=True)
             else:
                 self._init_local_ray()
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
             self._progress(
                 f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
-                f"(more routers: pdserve router --ray-address {self.gcs_address})"
+                f"({join_hint(self.gcs_address)})"
             )
 
     def _init_local_ray(self, attempts: int = 2) -> None:
@@ -249,6 +272,10 @@ class RayCluster:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
+        for task in list(self._replacements):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         for a in list(self._actors.values()):
             await self._kill(a, graceful=True)
         self._actors.clear()
@@ -274,6 +301,7 @@ class RayCluster:
             namespace=NAMESPACE,
             num_cpus=self._cpus,
             num_gpus=self._gpus,
+            resources=self.spec.resources(role),
             max_restarts=self.spec.max_restarts,
             max_task_retries=0,
         ).remote(worker_id, self.spec.engine, **kwargs)
@@ -296,7 +324,7 @@ class RayCluster:
         self.pool.upsert(info)
         await self._registry.put.remote(info)
         self._progress(
-            f"{actor.worker_id} ready at {info.grpc_address} "
+            f"{actor.worker_id} ready at {info.grpc_address} on node {info.node_address or '?'} "
             f"({info.num_blocks} KV blocks of {info.block_size} tokens) "
             f"in {time.monotonic() - t0:.1f} s"
         )
@@ -346,23 +374,28 @@ class RayCluster:
         async with self._lock:
             live = self.workers(role)
             if count > len(live):
-                self._check_room(count - len(live))
+                self._check_room(role, count - len(live))
                 self._progress(f"scaling {role} workers {len(live)} -> {count}")
                 await self._launch(role, count - len(live))
             for worker_id in reversed(live[count:]):
                 self._progress(f"retiring {worker_id}")
                 await self._retire(self._actors[worker_id])
 
-    def _check_room(self, num_workers: int) -> None:
-        """Raise InsufficientResources unless Ray has free CPUs/GPUs for ``num_workers`` more."""
+    def _check_room(self, role: str, num_workers: int) -> None:
+        """Raise InsufficientResources unless Ray has free CPUs/GPUs and ``role``'s custom
+        resources for ``num_workers`` more workers (totals over the cluster, so a worker may
+        still wait when the free amounts are split over nodes)."""
         free = ray.available_resources()
         need = {"CPU": self._cpus * num_workers, "GPU": self._gpus * num_workers}
+        for name, amount in self.spec.resources(role).items():
+            need[name] = need.get(name, 0.0) + amount * num_workers
         for name, amount in need.items():
             have = float(free.get(name, 0.0))
             if amount > 0 and have + 1e-9 < amount:
                 raise InsufficientResources(
-                    f"not enough free {name} in the Ray cluster for {num_workers} more worker(s): "
-                    f"need {amount:g}, {have:g} free; add nodes or scale another role down first"
+                    f"not enough free {name} in the Ray cluster for {num_workers} more {role} "
+                    f"worker(s): need {amount:g}, {have:g} free; add nodes or scale another role "
+                    "down first"
                 )
 
     async def _retire(self, actor: _Actor) -> None:
@@ -377,19 +410,51 @@ class RayCluster:
 
         asyncio.get_running_loop().create_task(drain_then_kill())
 
+    async def _replace(self, role: str) -> None:
+        """Launch one ``role`` worker once the cluster has room for it (a lost node's workers
+        come back when a node with the role's resources joins); checks every health interval."""
+        waiting = False
+        while True:
+            try:
+                self._check_room(role, 1)
+            except InsufficientResources as e:
+                if not waiting:
+                    self._progress(f"replacement {role} worker waits for room: {e}")
+                    waiting = True
+                await asyncio.sleep(self.spec.health_interval_s)
+                continue
+            try:
+                await self._launch(role, 1)
+            except RuntimeError as e:  # its actor stays tracked: the monitor handles it
+                log.error("replacement %s worker failed to start: %s", role, e)
+            return
+
     def describe(self) -> list[dict[str, Any]]:
-        """One dict per actor: id, role, address, health and restart count (for /admin)."""
+        """One dict per actor: id, role, node address, addresses, state, health and restart
+        count (for /admin). ``state``: starting | ready | unhealthy | down | retiring."""
         out = []
         for a in self._actors.values():
             state = self.pool.get(a.worker_id)
+            healthy = bool(state and state.healthy)
+            if a.retiring:
+                status = "retiring"
+            elif a.info is None:
+                status = "starting"
+            elif a.down_since is not None or state is None:
+                status = "down"
+            else:
+                status = "ready" if healthy else "unhealthy"
             out.append(
                 {
                     "worker_id": a.worker_id,
                     "role": a.role,
+                    "node_address": a.info.node_address if a.info else None,
                     "grpc_address": a.info.grpc_address if a.info else None,
                     "kv_endpoint": a.info.kv_endpoint if a.info else None,
                     "num_blocks": a.info.num_blocks if a.info else None,
-                    "healthy": bool(state and state.healthy),
+                    "resources": self.spec.resources(a.role),
+                    "state": status,
+                    "healthy": healthy,
                     "retiring": a.retiring,
                     "restarts": a.restarts,
                 }
@@ -437,14 +502,18 @@ class RayCluster:
                 log.error("worker %s is gone; launching a replacement", actor.worker_id)
                 self._actors.pop(actor.worker_id, None)
                 await self._kill(actor, graceful=False)
-                await self._launch(actor.role, 1)
+                # In the background: placement may wait for a node, and the monitor must go on
+                # checking the other workers meanwhile.
+                task = asyncio.get_running_loop().create_task(self._replace(actor.role))
+                self._replacements.add(task)
+                task.add_done_callback(self._replacements.discard)
             return
         state = self.pool.get(actor.worker_id)
         if state is not None and state.healthy:
             return
         # The process answers Ray but not (or no longer) gRPC at the registered address:
         # a restarted actor, which must be started again.
-        if actor.info is not None and await _serving(actor.info):
+        if actor.info is not None and await _serving(actor.info, self.pool.internal_token):
             return
         if actor.retiring:  # retired while we looked: its server is being stopped on purpose
             return
@@ -456,9 +525,9 @@ class RayCluster:
             log.error("%s", e)
 
 
-async def _serving(info: WorkerInfo) -> bool:
+async def _serving(info: WorkerInfo, internal_token: str | None) -> bool:
     """Whether ``info.grpc_address`` answers GetStats (a fresh channel, 3 s)."""
-    client = WorkerClient(info)
+    client = WorkerClient(info, internal_token)
     try:
         await client.get_stats(timeout_s=3.0)
         return True
@@ -484,7 +553,7 @@ class RegistryFollower:
     async def start(self, wait_for_workers_s: float = 60.0) -> None:
         """Join Ray, find the registry, load the workers. Raises RuntimeError if none appear."""
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            join(self.ray_address, NAMESPACE, log_to_driver=False)
         try:
             self._registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
         except ValueError:
