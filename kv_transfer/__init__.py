@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from pdserve.config import TransferConfig
     from pdserve.kv_cache.pool import KVPool
 
-SenderFactory = Callable[..., KVSender]  # (layout, *, device, timeout_s, checksum, auth_token)
+# (layout, *, device, timeout_s, checksum, auth_token, host)
+SenderFactory = Callable[..., KVSender]
 # (pool, layout, *, host, port, timeout_s, bind_host, auth_token)
 ReceiverFactory = Callable[..., KVReceiver]
 
@@ -82,6 +83,7 @@ def make_sender(
         timeout_s=config.timeout_s,
         checksum=config.checksum,
         auth_token=config.auth_token,
+        host=config.host,
     )
 
 

@@ -141,10 +141,17 @@ class _LoopbackChannel(PeerChannel):
 class LoopbackSender(QueuedSender):
     """Sends KV to :class:`LoopbackReceiver` objects of this process (see QueuedSender).
 
-    ``auth_token``: accepted for signature parity with torch_dist; unused (in-process).
+    ``auth_token``, ``host``: accepted for signature parity with torch_dist; unused (in-process).
     """
 
-    def __init__(self, layout: KVLayout, *, auth_token: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        auth_token: str | None = None,
+        host: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(layout, **kwargs)
 
     def _connect(self, peer: str) -> PeerChannel:

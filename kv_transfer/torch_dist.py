@@ -152,7 +152,9 @@ class TorchDistSender(QueuedSender):
     """Sends KV over one pair group per decode worker (see :class:`QueuedSender`).
 
     ``device``: 'cpu' (gloo) or a CUDA device (NCCL); ``kv`` passed to ``send`` must live there.
-    ``auth_token``: the internal token presented in every hello (None = none).
+    ``auth_token``: the internal token presented in every hello (None = none). ``host``: this
+    worker's own address, where its gloo socket listens (None = the local address that routes
+    to each peer).
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class TorchDistSender(QueuedSender):
         checksum: bool = False,
         ping_after_idle_s: float = 1.0,
         auth_token: str | None = None,
+        host: str | None = None,
     ) -> None:
         super().__init__(
             layout,
@@ -175,6 +178,7 @@ class TorchDistSender(QueuedSender):
         self.wire = wire_backend(self.device)
         self._who = f"{socket.gethostname()}:{os.getpid()}"
         self._token = auth_token or ""
+        self._host = host
 
     def _check_peer(self, peer: str) -> None:
         parse_endpoint(peer)
@@ -203,7 +207,12 @@ class TorchDistSender(QueuedSender):
         if not answer.get("ok"):
             raise LayoutMismatchError(f"KV receiver {peer} refused to pair: {answer.get('error')}")
         group = PairGroup(
-            store, pair, SENDER_RANK, self.device, local_address_toward(host), self.timeout_s
+            store,
+            pair,
+            SENDER_RANK,
+            self.device,
+            self._host or local_address_toward(host),
+            self.timeout_s,
         )
         return _Channel(group, store, float(answer["idle_timeout_s"]) / 2)
 

@@ -120,11 +120,12 @@ def api_key_check(
     ]
 
 
-class _AddMetadata(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-):
-    """Client interceptor adding fixed metadata pairs to every unary and server-streaming call."""
+class _AddMetadata:
+    """Adds fixed metadata pairs to a call's details (base of the client interceptors below).
+
+    NOTE: grpc.aio files an interceptor under the first call type it implements only, so each
+    call type needs its own interceptor object.
+    """
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self._pairs = tuple(pairs)
@@ -135,11 +136,15 @@ class _AddMetadata(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _UnaryUnaryMetadata(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: Any, request: Any
     ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamMetadata(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Any, client_call_details: Any, request: Any
     ) -> Any:
@@ -150,4 +155,5 @@ def internal_token_metadata(token: str | None) -> list[grpc.aio.ClientIntercepto
     """Client interceptors that present ``token`` on every call ([] without a token)."""
     if not token:
         return []
-    return [_AddMetadata([(INTERNAL_TOKEN_HEADER, token)])]
+    pairs = [(INTERNAL_TOKEN_HEADER, token)]
+    return [_UnaryUnaryMetadata(pairs), _UnaryStreamMetadata(pairs)]

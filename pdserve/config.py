@@ -257,7 +257,9 @@ class TransferConfig:
     backend: str = "torch_dist"  # torch_dist | loopback
     timeout_s: float = 30.0  # per send/recv
     checksum: bool = False
-    host: str = "127.0.0.1"  # address the decode worker's KV endpoint advertises (its node IP)
+    # This worker's address on the KV network (its node IP): a decode worker advertises it in its
+    # endpoint, a prefill worker's gloo socket listens on it.
+    host: str = "127.0.0.1"
     bind_host: str | None = None  # where its TCPStore listens (None = host; 0.0.0.0 = all)
     auth_token: str | None = field(default=None, repr=False)  # internal token of KV handshakes
 

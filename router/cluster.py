@@ -211,10 +211,8 @@ class RayCluster:
             else:
                 self._init_local_ray()
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
-            self._progress(
-                f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
-                f"({join_hint(self.gcs_address)})"
-            )
+            self._progress(f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s")
+            self._progress(join_hint(self.gcs_address))
 
     def _init_local_ray(self, attempts: int = 2) -> None:
         """Start a local Ray node. Ray gives its raylet a fixed 30 s to register; on a loaded

@@ -94,6 +94,19 @@ _WORKER_DOWN = frozenset(
     }
 )
 
+
+def _raise_if_unauthenticated(worker: WorkerState, code: grpc.StatusCode) -> None:
+    """A worker refusing the router's internal token is a deployment error, not a busy or dead
+    worker: fail the request at once (500) instead of retrying every worker forever."""
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        log.error(
+            "worker %s refused this router's internal token: start the router and the workers "
+            "with the same --internal-token / PDSERVE_INTERNAL_TOKEN",
+            worker.worker_id,
+        )
+        raise WorkerFailure(f"worker {worker.worker_id} refused the router's credentials")
+
+
 # Aborts run in the background so a cancelled consumer never waits on them; keep references so
 # the tasks are not garbage-collected mid-flight.
 _background: set[asyncio.Task[object]] = set()
@@ -422,6 +435,7 @@ class RequestLifecycle:
 
     def _refused(self, worker: WorkerState, code: grpc.StatusCode, details: str) -> None:
         """A decode worker refused a reservation: bad request raises, anything else moves on."""
+        _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by decode worker: {details}")
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -505,6 +519,7 @@ class RequestLifecycle:
             spawn(worker.client.abort(leg.attempt_id, self.config.abort_timeout_s))
             self._prefill_holder = None
         self._drop_leg(abort=True)
+        _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in _WORKER_DOWN:

@@ -86,7 +86,7 @@ def join_hint(address: str) -> str:
     line = f"more routers: pdserve router --ray-address {address}"
     if env.ray_auth_mode() == "token":
         line += (
-            f" (same machine: as is; another machine: with {env.RAY_AUTH_MODE}=token and "
-            f"{env.RAY_AUTH_TOKEN} set to this cluster's token, `ray get-auth-token`)"
+            f"   (Ray token auth is on: from another machine also set {env.RAY_AUTH_MODE}=token "
+            f"and {env.RAY_AUTH_TOKEN}=<`ray get-auth-token` here>)"
         )
     return line

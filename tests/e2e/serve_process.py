@@ -27,10 +27,13 @@ def free_port() -> int:
 class ServeProcess:
     """`pdserve serve ARGS` on free HTTP and gRPC ports; ``stop()`` sends SIGINT, then kills.
 
-    ``env``: extra environment variables for the child (e.g. PDSERVE_API_KEY).
+    ``env``: extra environment variables for the child (e.g. PDSERVE_API_KEY). ``command``:
+    'router' runs `pdserve router ARGS` instead (no engine flags).
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, command: str = "serve"
+    ) -> None:
         self.port = free_port()
         self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -40,9 +43,9 @@ class ServeProcess:
             "w+", prefix="pdserve-e2e-", suffix=".log", delete=False
         )
         cmd = [
-            sys.executable, "-m", "pdserve.cli", "serve",
+            sys.executable, "-m", "pdserve.cli", command,
             "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-            *SMALL, *args,
+            *(SMALL if command == "serve" else SMALL[2:]), *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,
