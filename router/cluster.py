@@ -450,6 +450,7 @@ class RayCluster:
                     "grpc_address": a.info.grpc_address if a.info else None,
                     "kv_endpoint": a.info.kv_endpoint if a.info else None,
                     "num_blocks": a.info.num_blocks if a.info else None,
+                    "pid": a.info.pid if a.info else None,
                     "resources": self.spec.resources(a.role),
                     "state": status,
                     "healthy": healthy,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -171,13 +172,26 @@ class LocalCluster:
         raise RuntimeError(f"Ray head not up after {timeout_s} s:\n{node.log.read_text()}")
 
 
-def established_between(a: str, b: str) -> list[str]:
-    """Established TCP connections (``ss -tn``) with one end at IP ``a`` and the other at ``b``."""
-    out = subprocess.run(["ss", "-tnH", "state", "established"], capture_output=True, text=True)
-    hits = []
-    for line in out.stdout.splitlines():
+def _socket_owners() -> dict[tuple[str, str], int]:
+    """(local 'ip:port', peer 'ip:port') -> owning pid, for every established TCP socket."""
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True
+    ).stdout
+    owners: dict[tuple[str, str], int] = {}
+    for line in out.splitlines():
         cols = line.split()
-        ends = [c.rpartition(":")[0] for c in cols[-2:]]
-        if sorted(ends) == sorted([a, b]):
-            hits.append(line)
-    return hits
+        match = re.search(r"pid=(\d+)", line)
+        if len(cols) >= 4 and match:
+            owners[(cols[2], cols[3])] = int(match.group(1))
+    return owners
+
+
+def connections_between(pid_a: int, pid_b: int) -> list[tuple[str, str]]:
+    """Established TCP connections between processes ``pid_a`` and ``pid_b`` on this machine,
+    as ('ip:port' at a, 'ip:port' at b)."""
+    owners = _socket_owners()
+    return [
+        (local, peer)
+        for (local, peer), pid in owners.items()
+        if pid == pid_a and owners.get((peer, local)) == pid_b
+    ]
