@@ -87,6 +87,16 @@ class RayNode:
             pass
         self._log_file.close()
 
+    def kill(self, *extra_pids: int) -> None:
+        """Lose the node at once: SIGKILL ``extra_pids`` (processes Ray started on it, such as
+        a worker actor) and this node's process group, then reap ``ray start``."""
+        for pid in extra_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.stop(sig=signal.SIGKILL)
+
 
 class LocalCluster:
     """A head (no CPUs: router only) plus worker nodes, all on loopback addresses.

@@ -35,6 +35,7 @@ INTERNAL = "mn-internal-secret"
 PREFILL = {"pdserve_prefill": 1}
 DECODE = {"pdserve_decode": 1}
 QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
+LONG = 96  # tokens of the node-failure stream (ignore_eos): long enough to outlive the kill
 
 
 def serve_args(cluster: LocalCluster, *extra: str) -> list[str]:
@@ -49,8 +50,14 @@ def serve_args(cluster: LocalCluster, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def chat(url: str, max_tokens: int = 24) -> str:
-    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0}
+def chat(url: str, max_tokens: int = 24, **extra: object) -> str:
+    body = {
+        "model": "smollm2",
+        "messages": QUESTION,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
@@ -197,7 +204,7 @@ def test_decode_node_lost_mid_stream_migrates_every_token(cluster: LocalCluster)
         workers = httpx.get(f"{srv.url}/admin/workers").json()["workers"]
         decode = {w["node_address"]: w for w in workers if w["role"] == "decode"}
         assert set(decode) == {"127.0.0.3", "127.0.0.4"}, workers
-        reference = chat(srv.url, max_tokens=48)
+        reference = chat(srv.url, max_tokens=LONG, ignore_eos=True)
         migrated_before = metric(srv.url, "pdserve_requests_migrated_total")
 
         text, victim = _stream_and_stop_its_node(srv.url, cluster, decode)
@@ -206,7 +213,7 @@ def test_decode_node_lost_mid_stream_migrates_every_token(cluster: LocalCluster)
         after = httpx.get(f"{srv.url}/admin/workers").json()["workers"]
         lost = [w for w in after if w["role"] == "decode" and w["node_address"] == victim]
         assert lost and all(w["state"] != "ready" for w in lost), after
-        assert chat(srv.url, max_tokens=48) == reference  # the survivor serves on
+        assert chat(srv.url, max_tokens=LONG, ignore_eos=True) == reference  # the survivor serves
     finally:
         assert srv.stop() == 0, srv.last_output
 
@@ -214,9 +221,15 @@ def test_decode_node_lost_mid_stream_migrates_every_token(cluster: LocalCluster)
 def _stream_and_stop_its_node(
     url: str, cluster: LocalCluster, decode: dict[str, dict]
 ) -> tuple[str, str]:
-    """Stream a greedy chat; after a few tokens, stop (by pid) the node of the decode worker
-    running it. Returns (the stream's full text, the stopped node's address)."""
-    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 48, "temperature": 0}
+    """Stream a greedy chat; after a few tokens, kill (by pid) the processes of the node whose
+    decode worker runs it, as a lost machine would. Returns (the stream's text, the node)."""
+    body = {
+        "model": "smollm2",
+        "messages": QUESTION,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     pieces: list[str] = []
     victim = ""
     with httpx.stream(
@@ -228,11 +241,11 @@ def _stream_and_stop_its_node(
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
                 pieces.append(choice["delta"].get("content") or "")
-            if len(pieces) == 6 and not victim:
+            if len(pieces) == 4 and not victim:
                 victim = next(
                     node for node, w in decode.items() if _num_running(w["grpc_address"]) > 0
                 )
-                cluster.nodes[victim].stop()
+                cluster.nodes[victim].kill(decode[victim]["pid"])
     assert victim, "the stream ended before the node could be stopped"
     return "".join(pieces), victim
 
