@@ -109,3 +109,9 @@ class PagedCase:
 def paged_case() -> type[PagedCase]:
     """The PagedCase class (a fixture, so test modules need not import this conftest)."""
     return PagedCase
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the kernels' tensors live: CPU under the interpreter, else the GPU."""
+    return DEVICE

@@ -2,11 +2,13 @@
 
 Algorithm (in our words): the step's K/V is written to the pool first, so a chunk of ``q_len``
 new tokens after ``prefix = seq_len - q_len`` cached tokens reads every key (cached prefix and its
-own new part) through the block table. Each program owns ``BLOCK_M`` query rows of one query head
-of one sequence and walks the keys in ``BLOCK_N`` tiles up to the last key its rows may see,
-keeping an fp32 running max / sum / output (FlashAttention-2's online softmax, Dao 2023). Key
-``j`` is visible to the row at position ``prefix + r`` iff ``j <= prefix + r``: the whole cached
-prefix plus the causal part of the chunk (the masking of vLLM's prefix-prefill and SGLang's extend
+own new part) through the block table. Each program owns one KV head of one sequence and
+``BLOCK_M // group`` query tokens; its ``BLOCK_M`` rows are those tokens times the ``group`` query
+heads sharing the KV head, so each K/V tile is read once for the whole GQA group (the packing of
+vLLM's unified Triton attention). It walks the keys in ``BLOCK_N`` tiles up to the last key its
+rows may see, keeping an fp32 running max / sum / output (FlashAttention-2's online softmax, Dao
+2023). Key ``j`` is visible to chunk token ``t`` (position ``prefix + t``) iff
+``j <= prefix + t``: the whole cached prefix plus the causal part of the chunk (the masking of vLLM's prefix-prefill and SGLang's extend
 kernels, which split the same work into a prefix pass and a fresh-K/V pass).
 """
 
@@ -24,7 +26,7 @@ from pdserve.attention.triton_kernels.tile import (
     online_softmax_step,
 )
 
-BLOCK_M = 64  # query rows per program
+BLOCK_M = 64  # query rows (tokens x GQA group heads) per program
 BLOCK_N = 64  # keys per tile
 
 
@@ -61,7 +63,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     i = tl.program_id(2)
     if HAS_SEQ_IDS:
         seq = tl.load(seq_ids_ptr + i).to(tl.int64)
@@ -69,29 +71,35 @@ def _extend_kernel(
         seq = i.to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    if tile * BLOCK_M >= q_len:  # the grid is sized for the longest chunk
+    tokens_per_tile = BLOCK_M // group_size
+    first = tile * tokens_per_tile  # first query token of this tile
+    if first >= q_len:  # the grid is sized for the longest chunk
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    kv_head = head // group_size
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # row r of the tile is query token first + r // group_size, query head
+    # kv_head * group_size + r % group_size: the whole GQA group shares each K/V tile
+    offs_m = tl.arange(0, BLOCK_M)
+    token = first + offs_m // group_size
+    heads = kv_head * group_size + offs_m % group_size
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    m_mask = offs_m < q_len
+    m_mask = (offs_m < tokens_per_tile * group_size) & (token < q_len)
     d_mask = offs_d < head_dim
-    q_rows = q_start + offs_m
+    q_rows = q_start + token
     q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q_pos = prefix + offs_m  # position of each row in its sequence
+    q_pos = prefix + token  # position of each row's token in its sequence
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # last row's keys, exclusive
+    # keys up to the tile's last token, exclusive
+    kv_end = tl.minimum(seq_len, prefix + first + tokens_per_tile)
     table = block_tables_ptr + seq * stride_bt
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + offs_n
@@ -129,7 +137,7 @@ def _extend_kernel(
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
 
     o = acc / l_i[:, None]
-    dst = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -156,8 +164,9 @@ def paged_extend_attention(
     their chunks (sizes the grid without a device sync). ``scale``: softmax scale. Only the
     chosen sequences' rows are written.
 
-    Grid: (cdiv(max_query_len, BLOCK_M), num_heads, n); fp32 accumulation. Raises ValueError on
-    bad shapes.
+    Grid: (cdiv(max_query_len, block_m // group), num_kv_heads, n) with group = num_heads //
+    num_kv_heads and block_m = max(BLOCK_M, next_power_of_2(group)); fp32 accumulation. Raises
+    ValueError on bad shapes.
     """
     n = int(seq_ids.shape[0]) if seq_ids is not None else int(seq_lens.shape[0])
     _, num_heads, head_dim = q.shape
@@ -170,7 +179,9 @@ def paged_extend_attention(
     if n == 0 or max_query_len == 0:
         return
     ids = seq_ids if seq_ids is not None else seq_lens
-    grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, n)
+    group = num_heads // num_kv_heads
+    block_m = max(BLOCK_M, triton.next_power_of_2(group))  # at least one token per tile
+    grid = (triton.cdiv(max_query_len, block_m // group), num_kv_heads, n)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, ids,
         scale * LOG2E,
@@ -179,11 +190,11 @@ def paged_extend_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_heads // num_kv_heads, head_dim, k_cache.shape[1],
+        group, head_dim, k_cache.shape[1],
         HAS_SEQ_IDS=seq_ids is not None,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
         UPCAST=interpret_upcast(q.dtype),
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_D=head_block(head_dim),
     )  # fmt: skip

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK_T = 16  # tokens per program
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -15,38 +17,24 @@ def _write_kv_kernel(
     v_cache_ptr,
     slot_mapping_ptr,
     stride_kt,
-    stride_kh,
     stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    num_kv_heads,
-    head_dim,
-    block_size,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_kc_slot,
+    stride_vc_slot,
+    num_tokens,
+    row_size,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # a padding token: nothing to store
-        return
-    block = slot // block_size
-    offset = slot % block_size
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
-    src = offs_h[:, None] * stride_kh + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + src, mask=mask)
-    dst = block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    src = offs_h[:, None] * stride_vh + offs_d[None, :]
-    v = tl.load(v_ptr + token * stride_vt + src, mask=mask)
-    dst = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tokens < num_tokens
+    # a negative slot is a padding token: nothing to store
+    slots = tl.load(slot_mapping_ptr + tokens, mask=t_mask, other=-1).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)  # one token's [num_kv_heads * head_dim] elements
+    mask = (t_mask & (slots >= 0))[:, None] & (offs_e < row_size)[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * stride_kt + offs_e[None, :], mask=mask)
+    tl.store(k_cache_ptr + slots[:, None] * stride_kc_slot + offs_e[None, :], k, mask=mask)
+    v = tl.load(v_ptr + tokens[:, None] * stride_vt + offs_e[None, :], mask=mask)
+    tl.store(v_cache_ptr + slots[:, None] * stride_vc_slot + offs_e[None, :], v, mask=mask)
 
 
 def write_kv(
@@ -56,15 +44,16 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store each new token's K/V at its pool slot (in place), cast to the cache dtype.
+    """Store each new token's K/V at its pool slot (in place).
 
-    Shapes: k, v [num_tokens, num_kv_heads, head_dim] (any float dtype; last dim contiguous);
-    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (bf16/fp16/fp32, last dim
-    contiguous); slot_mapping int32/int64 [num_tokens], slot = block * block_size + offset, a
-    negative slot skips the token (padding, as in vLLM's reshape_and_cache). Grid: one program per
-    token, each copying its [num_kv_heads, head_dim] K and V tiles. Equals
-    :func:`pdserve.attention.torch_ref.write_kv` (an ``index_copy_`` into the flattened pool).
-    Raises ValueError on mismatched shapes.
+    Shapes: k, v [num_tokens, num_kv_heads, head_dim] (any float dtype, cast to the cache dtype
+    by torch first when it differs; each token's heads x head_dim contiguous, rows may be strided
+    as in a view of a fused qkv output); k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (bf16/fp16/fp32, a slot's heads x head_dim contiguous); slot_mapping int32/int64
+    [num_tokens], slot = block * block_size + offset, a negative slot skips the token (padding,
+    as in vLLM's reshape_and_cache). Grid: cdiv(num_tokens, BLOCK_T) programs, each copying
+    BLOCK_T tokens' K and V rows. Equals :func:`pdserve.attention.torch_ref.write_kv` (an
+    ``index_copy_`` into the flattened pool). Raises ValueError on mismatched shapes.
     """
     num_tokens, heads, dim = k.shape
     if v.shape != k.shape or k_cache.shape[-2:] != (heads, dim) or v_cache.shape != k_cache.shape:
@@ -74,17 +63,23 @@ def write_kv(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"write_kv: slot_mapping must be [{num_tokens}]")
-    for t in (k, v, k_cache, v_cache):
-        if t.stride(-1) != 1:
-            raise ValueError("write_kv: the head_dim axis must be contiguous")
+    for t in (k_cache, v_cache):
+        if t.stride(2) != dim or t.stride(3) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
+            raise ValueError("write_kv: each cache block must be one contiguous run of slots")
     if num_tokens == 0:
         return
-    _write_kv_kernel[(num_tokens,)](
+    # NOTE: a dtype change is done here, not in the kernel: Triton's CPU interpreter rounds fp32
+    # to bf16 toward zero where torch (and compiled Triton) round to nearest even. The model
+    # hands K/V over in the pool's dtype, so this copy never happens on the serving path.
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if k.stride(1) != dim or k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(1) != dim or v.stride(2) != 1:
+        v = v.contiguous()
+    _write_kv_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        heads, dim, k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(dim),
+        k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
+        num_tokens, heads * dim,
+        BLOCK_T=BLOCK_T,
+        BLOCK_E=triton.next_power_of_2(heads * dim),
     )  # fmt: skip

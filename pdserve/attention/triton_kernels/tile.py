@@ -6,7 +6,9 @@ FlashAttention-2 recurrence, Dao 2023, in base 2). ``interpret_upcast`` says whe
 widened to fp32 before ``tl.dot``: Triton's CPU interpreter stores bf16 as raw uint16 words and
 multiplies those (wrong results), so under ``TRITON_INTERPRET=1`` bf16 tiles are upcast (exact)
 and the probabilities still rounded to bf16 first, which reproduces the tensor-core numerics
-(bf16 products, fp32 sums). Compiled kernels never upcast.
+(bf16 products, fp32 sums). Compiled kernels never upcast. The interpreter also rounds fp32 to
+bf16 toward zero (compiled Triton: to nearest even), a difference well inside the bf16 tolerance
+of the outputs and probabilities it touches.
 """
 
 from __future__ import annotations
