@@ -18,12 +18,7 @@ import triton
 import triton.language as tl
 
 from pdserve.attention.triton_kernels import LOG2E, dot_precision, head_block
-from pdserve.attention.triton_kernels.tile import (
-    dot,
-    interpret_upcast,
-    load_kv_tile,
-    online_softmax_step,
-)
+from pdserve.attention.triton_kernels.tile import attend_tile, interpret_upcast, sequence_of
 
 BLOCK_N = 64  # context tokens per K/V tile
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it saves
@@ -73,10 +68,7 @@ def _decode_partial_kernel(
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    else:
-        seq = i.to(tl.int64)
+    seq = sequence_of(i, seq_ids_ptr, HAS_SEQ_IDS)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)  # the sequence's one query row
     start = split * split_size
@@ -101,35 +93,11 @@ def _decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        k = load_kv_tile(
-            k_cache_ptr,
-            table,
-            pos,
-            n_mask,
-            kv_head,
-            offs_d,
-            d_mask,
-            stride_kb,
-            stride_ks,
-            stride_kh,
-            block_size,
-        )  # [BLOCK_N, BLOCK_D]
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = load_kv_tile(
-            v_cache_ptr,
-            table,
-            pos,
-            n_mask,
-            kv_head,
-            offs_d,
-            d_mask,
-            stride_vb,
-            stride_vs,
-            stride_vh,
-            block_size,
-        )
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, pos, n_mask, n_mask[None, :],
+            kv_head, offs_d, d_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, block_size, scale_log2, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -168,10 +136,7 @@ def _decode_merge_kernel(
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
-    if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    else:
-        seq = i.to(tl.int64)
+    seq = sequence_of(i, seq_ids_ptr, HAS_SEQ_IDS)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)

@@ -19,12 +19,7 @@ import triton
 import triton.language as tl
 
 from pdserve.attention.triton_kernels import LOG2E, dot_precision, head_block
-from pdserve.attention.triton_kernels.tile import (
-    dot,
-    interpret_upcast,
-    load_kv_tile,
-    online_softmax_step,
-)
+from pdserve.attention.triton_kernels.tile import attend_tile, interpret_upcast, sequence_of
 
 BLOCK_M = 64  # query rows (tokens x GQA group heads) per program
 BLOCK_N = 64  # keys per tile
@@ -65,10 +60,7 @@ def _extend_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     i = tl.program_id(2)
-    if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    else:
-        seq = i.to(tl.int64)
+    seq = sequence_of(i, seq_ids_ptr, HAS_SEQ_IDS)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
     tokens_per_tile = BLOCK_M // group_size
@@ -104,37 +96,13 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_end
-        k = load_kv_tile(
-            k_cache_ptr,
-            table,
-            pos,
-            n_mask,
-            kv_head,
-            offs_d,
-            d_mask,
-            stride_kb,
-            stride_ks,
-            stride_kh,
-            block_size,
-        )  # [BLOCK_N, BLOCK_D]
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2  # [M, N]
         # every row sees key 0, so each row's running max is finite after the first tile
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        v = load_kv_tile(
-            v_cache_ptr,
-            table,
-            pos,
-            n_mask,
-            kv_head,
-            offs_d,
-            d_mask,
-            stride_vb,
-            stride_vs,
-            stride_vh,
-            block_size,
-        )
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, pos, n_mask, visible,
+            kv_head, offs_d, d_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, block_size, scale_log2, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
 
     o = acc / l_i[:, None]
     dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]

@@ -1,8 +1,9 @@
 """Tile helpers shared by the decode and extend kernels (``@triton.jit`` device functions).
 
 ``load_kv_tile`` reads ``BLOCK_N`` consecutive tokens of one KV head through a block table;
-``online_softmax_step`` folds one tile of scores into the running max / sum / output (the
-FlashAttention-2 recurrence, Dao 2023, in base 2). ``interpret_upcast`` says when tiles must be
+``attend_tile`` scores a query tile against one K tile and folds it, with the V tile, into the
+running max / sum / output (the FlashAttention-2 recurrence, Dao 2023, in base 2);
+``sequence_of`` maps a program to its sequence. ``interpret_upcast`` says when tiles must be
 widened to fp32 before ``tl.dot``: Triton's CPU interpreter stores bf16 as raw uint16 words and
 multiplies those (wrong results), so under ``TRITON_INTERPRET=1`` bf16 tiles are upcast (exact)
 and the probabilities still rounded to bf16 first, which reproduces the tensor-core numerics
@@ -73,3 +74,56 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, UPCAST
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def sequence_of(i, seq_ids_ptr, HAS_SEQ_IDS: tl.constexpr):
+    """The batch index (int64) of the ``i``-th sequence a kernel attends: ``seq_ids[i]`` when a
+    subset was given, else ``i``."""
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + i).to(tl.int64)
+    else:
+        seq = i.to(tl.int64)
+    return seq
+
+
+@triton.jit
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    pos,
+    n_mask,
+    visible,
+    kv_head,
+    offs_d,
+    d_mask,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    block_size,
+    scale_log2,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One K/V tile for query rows ``q`` [M, D]: tokens ``pos`` [N] (``n_mask`` in range),
+    ``visible`` [M, N] or [1, N] says which keys each row may see. ``scale_log2`` = softmax scale
+    * log2(e). Returns the new (m_i, l_i, acc)."""
+    k = load_kv_tile(
+        k_cache_ptr, table_ptr, pos, n_mask, kv_head, offs_d, d_mask,
+        stride_kb, stride_ks, stride_kh, block_size,
+    )  # fmt: skip
+    s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2  # [M, N]
+    s = tl.where(visible, s, float("-inf"))
+    v = load_kv_tile(
+        v_cache_ptr, table_ptr, pos, n_mask, kv_head, offs_d, d_mask,
+        stride_vb, stride_vs, stride_vh, block_size,
+    )  # fmt: skip
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, UPCAST)
