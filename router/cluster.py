@@ -104,6 +104,7 @@ def local_resources(spec: ClusterSpec) -> tuple[float, float, int]:
             import torch  # only to count GPUs; workers own the tensors
 
             count = torch.cuda.device_count()
+            # one GPU per worker actor when there are enough; fewer GPUs are shared evenly
             gpus = min(1.0, count / n) if count else 0.0
     ray_cpus = max(total, int(cpus * n + 0.999))
     return cpus, gpus, ray_cpus

@@ -99,6 +99,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | ..."
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument(
+        "--attention-backend", default="auto", help="auto (triton on CUDA) | torch_ref | triton"
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of --load-format dummy weights")
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     g.add_argument(
@@ -227,6 +230,7 @@ class ServePlan:
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
     """Validate flags and read the model config (no weights). Raises ConfigError naming the flag."""
+    from pdserve.attention.selector import select_attention_backend
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
 
@@ -236,8 +240,10 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         dtype=args.dtype,
         device=resolve_device(args.device),
         seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     model = load_model_config(load)
+    select_attention_backend(load.attention_backend, load.device, model.head_dim)
     max_model_len = resolve_max_model_len(args.max_model_len, model)
     cache = CacheConfig(
         block_size=args.block_size,
