@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.cpu import has_native_bf16
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, out of range or unsupported (one line, names the field)."""
@@ -173,7 +175,8 @@ class LoadConfig:
 
     ``model``: 'smollm2' (bundled GGUF), a HF directory, or a ``.gguf`` file.
     ``load_format``: 'auto' | 'safetensors' | 'gguf' | 'dummy' (random weights; needs a config).
-    ``dtype``: 'auto' (float32 on CPU, bfloat16 on CUDA, DESIGN §2) | float32 | bfloat16 | float16.
+    ``dtype``: 'auto' (bfloat16 on CUDA and on CPUs with native bf16 — avx512_bf16 or AMX —,
+    float32 on other CPUs; DESIGN §2) | float32 | bfloat16 | float16.
     ``attention_backend``: 'auto' (``triton`` on CUDA, ``torch_ref`` elsewhere) | torch_ref |
     triton; :func:`pdserve.attention.selector.select_attention_backend` resolves it against the
     device and the model's head size when the model is built.
@@ -204,7 +207,9 @@ class LoadConfig:
         """The concrete dtype name after applying the per-device default."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.device.startswith("cuda") or has_native_bf16():
+            return "bfloat16"
+        return "float32"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument(
-        "--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto: float32 on CPU)"
+        "--dtype",
+        default="auto",
+        help="auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(

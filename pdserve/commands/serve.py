@@ -96,7 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (every worker)")
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     g.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | ..."
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32) | float32 | ...",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument(
