@@ -9,16 +9,12 @@ INVALID_ARGUMENT / HTTP 400.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
-from pdserve.types import SampledToken
+from pdserve.types import SampledToken, TransferRecord
 from pdserve.v1 import worker_pb2 as pb
-
-if TYPE_CHECKING:
-    from kv_transfer.base import TransferRecord
 
 
 def status_code(name: str) -> grpc.StatusCode:
