@@ -31,9 +31,9 @@ from grpc_reflection.v1alpha import reflection
 from pdserve import metrics, rpc
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
+from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
-from pdserve.v1 import worker_pb2 as wpb
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.openai_protocol import CHAT_ROLES
 from router.serving import Router
@@ -72,7 +72,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
         raise BadRequest("one of 'text', 'chat' or 'token_ids' must be set", param="input")
 
     def _sampling(self, request: gpb.GenerateRequest) -> SamplingParams:
-        wire = wpb.SamplingParams()
+        wire = cpb.SamplingParams()
         wire.CopyFrom(request.sampling)
         rest_of_context = wire.max_tokens == 0
         if rest_of_context:
