@@ -29,6 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import metrics, rpc
+from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
 from pdserve.v1 import common_pb2 as cpb
@@ -155,7 +156,9 @@ class GrpcGateway:
     ``port`` 0 picks a free port (see ``port`` after ``start``).
     """
 
-    def __init__(self, router: Router, host: str = "0.0.0.0", port: int = 50051) -> None:
+    def __init__(
+        self, router: Router, host: str = ServeConfig.host, port: int = ServeConfig.grpc_port
+    ) -> None:
         self.router = router
         self.host = host
         self.port = port

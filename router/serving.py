@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve import metrics, rpc
+from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from pdserve.types import SampledToken
@@ -53,9 +54,10 @@ class RouterConfig:
 
     model_name: str
     max_model_len: int
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262144
-    request_timeout_s: float = 600.0
+    # defaults: the ones `pdserve serve` has (one place: pdserve/config.py)
+    max_queued_requests: int = ServeConfig.max_queued_requests
+    max_queued_tokens: int = ServeConfig.max_queued_tokens
+    request_timeout_s: float = ServeConfig.request_timeout_s
     max_n: int = 16
     max_sequences: int = 64
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)

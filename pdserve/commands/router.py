@@ -13,15 +13,10 @@ import asyncio
 import sys
 
 from pdserve import env
-from pdserve.commands.serve import (
-    HelpFormatter,
-    add_frontend_args,
-    add_model_args,
-    resolve_max_model_len,
-    say,
-    setup_logging,
-)
-from pdserve.config import ConfigError, LoadConfig
+from pdserve.commands.progress import say
+from pdserve.commands.serve import resolve_max_model_len, setup_logging
+from pdserve.commands.serve_flags import HelpFormatter, add_frontend_args, add_model_args
+from pdserve.config import ConfigError, LoadConfig, ServeConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--mode",
-        default="disaggregated",
+        default=ServeConfig.mode,
         choices=["disaggregated", "unified"],
         help="unified = always prefill on decode workers",
     )
