@@ -48,8 +48,9 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
     from pdserve.tokenizer import load_tokenizer
+    from router.background import drain_background
     from router.cluster import RegistryFollower
-    from router.lifecycle import LifecycleConfig, drain_background
+    from router.lifecycle import LifecycleConfig
     from router.pool import WorkerPool
     from router.server import Frontend, FrontendConfig
     from router.serving import Router, RouterConfig

@@ -221,8 +221,9 @@ async def serve_async(
     ``actor_classes``: role -> worker actor class (default: the real prefill and decode actors).
     """
     from pdserve.tokenizer import load_tokenizer
+    from router.background import drain_background
     from router.cluster import ClusterSpec, RayCluster, shutdown_ray
-    from router.lifecycle import LifecycleConfig, drain_background
+    from router.lifecycle import LifecycleConfig
     from router.pool import WorkerPool
     from router.server import Frontend, FrontendConfig
     from router.serving import Router, RouterConfig

@@ -16,7 +16,7 @@ from test_http_gateway import MSGS, assert_openai_error, env, sse_events
 
 from pdserve import metrics
 from pdserve.tokenizer import Tokenizer
-from router.lifecycle import drain_background
+from router.background import drain_background
 
 pytestmark = pytest.mark.timeout(60)
 
