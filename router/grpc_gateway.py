@@ -31,7 +31,6 @@ from grpc_reflection.v1alpha import reflection
 from pdserve import metrics, rpc
 from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
-from pdserve.tokenizer import TokenizerError
 from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
@@ -50,11 +49,11 @@ class GenerationService(gpb_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+        """Token ids of the request's input, prepared off the event loop (router.prompts)."""
         kind = request.WhichOneof("input")
-        tok = self.router.tokenizer
         if kind == "text":
-            return tok.encode(request.text)
+            return await self.router.prompts.text(request.text, param="text")
         if kind == "chat":
             for i, m in enumerate(request.chat.messages):
                 if m.role not in CHAT_ROLES:
@@ -64,10 +63,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                         param=f"chat.messages.{i}.role",
                     )
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            try:
-                return tok.apply_chat_template(messages)
-            except TokenizerError as e:
-                raise BadRequest(str(e), param="chat") from None
+            return await self.router.prompts.chat(messages, param="chat")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise BadRequest("one of 'text', 'chat' or 'token_ids' must be set", param="input")
@@ -102,7 +98,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 )
             if any(not s for s in request.stop):
                 raise BadRequest("'stop' strings must be non-empty", param="stop")
-            stream = self.router.submit(rid, self._prompt(request), self._sampling(request))
+            prompt = await self._prompt(request)
+            stream = self.router.submit(rid, prompt, self._sampling(request))
         except RouterError as e:
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)

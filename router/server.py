@@ -20,7 +20,7 @@ import uvicorn
 
 from pdserve.config import ServeConfig
 from router.grpc_gateway import GrpcGateway
-from router.http_gateway import ClusterControl, build_app
+from router.http import ClusterControl, build_app
 from router.serving import Router
 
 log = logging.getLogger(__name__)

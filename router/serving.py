@@ -37,6 +37,7 @@ from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
+from router.prompts import PromptPreparer
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,7 @@ class Router:
         self.pool = pool
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
+        self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
 
     @property
     def model_name(self) -> str:

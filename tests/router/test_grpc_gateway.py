@@ -156,3 +156,19 @@ async def test_grpc_errors_are_counted(tokenizer: Tokenizer) -> None:
         with pytest.raises(grpc.aio.AioRpcError):
             _ = [r async for r in stub.Generate(req)]
         assert errors._value.get() == before + 1
+
+
+async def test_prompts_are_tokenized_off_the_event_loop(tokenizer: Tokenizer) -> None:
+    from test_prompts import RecordingTokenizer
+
+    from router.prompts import PromptPreparer
+
+    async with gateway(tokenizer) as (_c, router, channel):
+        rec = RecordingTokenizer(tokenizer)
+        router.prompts = PromptPreparer(rec)  # type: ignore[arg-type]
+        stub = gpb_grpc.GenerationStub(channel)
+        chat = gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="Capital?")])
+        for req in (gpb.GenerateRequest(text="Capital?"), gpb.GenerateRequest(chat=chat)):
+            out = [r async for r in stub.Generate(req)]
+            assert out[-1].WhichOneof("response") == "complete"
+        assert len(rec.threads) == 2 and all(t.startswith("tokenize") for t in rec.threads)

@@ -16,7 +16,7 @@ from fake_workers import EOS, FakeCluster, start_fake_cluster
 
 from pdserve.tokenizer import Tokenizer
 from router.background import drain_background
-from router.http_gateway import build_app
+from router.http import build_app
 from router.serving import Router, RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
