@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve import metrics
-from router.errors import RouterError
+from router.errors import PayloadTooLarge
 from router.http.responses import dumps
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 32 MiB: far above any prompt max_model_len admits
@@ -30,10 +30,9 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
 
     async def _refuse(self, send: Any) -> None:
-        err = RouterError(
-            f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+        err = PayloadTooLarge(
+            f"the request body exceeds the server's limit of {self.max_bytes} bytes"
         )
-        err.status, err.type, err.code = 413, "invalid_request_error", "request_too_large"
         metrics.REQUEST_ERRORS.labels(code="413").inc()
         payload = dumps(err.body()).encode()
         await send(
