@@ -9,7 +9,9 @@ Variables (all optional):
   ``--internal-token`` is not given (pdserve/auth.py).
 - ``GLOO_SOCKET_IFNAME`` (gloo's own): the network interface KV pair channels use on CPU.
 - ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` (Ray's own token authentication):
-  read to tell whether a process joining a cluster can present a token (router/ray_join.py).
+  read to tell whether a process joining a cluster can present a token (router/cluster/ray_join.py).
+- ``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels on CPU tensors through Triton's
+  interpreter; :func:`triton_interpret` lets the ``triton`` attention backend run on CPU then.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -32,6 +34,7 @@ RAY_AUTH_MODE = "RAY_AUTH_MODE"
 RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
+TRITON_INTERPRET = "TRITON_INTERPRET"
 
 
 def _get(name: str) -> str | None:
@@ -85,6 +88,11 @@ def ray_auth_token_available() -> bool:
 def enable_ray_token_auth() -> None:
     """Set ``RAY_AUTH_MODE=token`` for this process and its children (call before ray.init)."""
     os.environ[RAY_AUTH_MODE] = "token"
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET`` is set to a true value (Triton's spelling: 1, true, yes, on)."""
+    return (_get(TRITON_INTERPRET) or "").lower() in ("1", "true", "yes", "on")
 
 
 def log_level() -> int:

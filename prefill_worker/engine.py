@@ -281,6 +281,8 @@ class PrefillEngine:
         assert self.sender is not None  # checked in _validate
         table = self.kv.block_table(seq.request_id)
         kv = self.runner.kv_pool.gather(table, seq.num_tokens)  # [L, 2, T, H, D], a copy
+        # NOTE: on CUDA the gather is queued on the compute stream and the sender moves it on its
+        # own stream after an event (kv_transfer.sender_core), overlapping the next prefill
         p.send_started = time.monotonic()
         try:
             fut = self.sender.send(

@@ -1,4 +1,4 @@
-"""router/ray_join.py: Ray token auth before joining, and one-line join errors (no Ray started)."""
+"""router/cluster/ray_join.py: Ray token auth before joining, and one-line join errors (no Ray started)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import ray
 
-from router import ray_join
-from router.ray_join import JoinError, join, join_hint, prepare_token_auth
+from router.cluster import ray_join
+from router.cluster.ray_join import JoinError, join, join_hint, prepare_token_auth
 
 pytestmark = pytest.mark.timeout(30)
 
