@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from serve_process import stop_process
+
 RAY = str(Path(sys.executable).with_name("ray"))
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # the minimum Ray accepts is 75 MiB
 
@@ -73,13 +75,7 @@ class RayNode:
 
     def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to the node's ``ray start`` process; SIGKILL its group if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout_s)
         # Processes of the node that outlived their `ray start` (same process group).
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
