@@ -61,7 +61,8 @@ def add_multinode_args(p: argparse.ArgumentParser, *, launches_workers: bool) ->
         "--internal-token",
         default=None,
         help="shared secret every worker gRPC call and KV handshake must carry "
-        f"(default: ${env.INTERNAL_TOKEN}; none = no check, for one machine)",
+        f"(default: ${env.INTERNAL_TOKEN}, which `ps` does not show; none = no check, for one "
+        "machine)",
     )
 
 
