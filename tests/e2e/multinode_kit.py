@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -26,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from serve_process import stop_process
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -178,26 +178,17 @@ class LocalCluster:
         raise RuntimeError(f"Ray head not up after {timeout_s} s:\n{node.log.read_text()}")
 
 
-def _socket_owners() -> dict[tuple[str, str], int]:
-    """(local 'ip:port', peer 'ip:port') -> owning pid, for every established TCP socket."""
-    out = subprocess.run(
-        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True
-    ).stdout
-    owners: dict[tuple[str, str], int] = {}
-    for line in out.splitlines():
-        cols = line.split()
-        match = re.search(r"pid=(\d+)", line)
-        if len(cols) >= 4 and match:
-            owners[(cols[2], cols[3])] = int(match.group(1))
-    return owners
+def _established(pid: int) -> set[tuple[str, str]]:
+    """(local 'ip:port', peer 'ip:port') of each established TCP connection of process ``pid``."""
+    return {
+        (f"{c.laddr.ip}:{c.laddr.port}", f"{c.raddr.ip}:{c.raddr.port}")
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr
+    }
 
 
 def connections_between(pid_a: int, pid_b: int) -> list[tuple[str, str]]:
     """Established TCP connections between processes ``pid_a`` and ``pid_b`` on this machine,
     as ('ip:port' at a, 'ip:port' at b)."""
-    owners = _socket_owners()
-    return [
-        (local, peer)
-        for (local, peer), pid in owners.items()
-        if pid == pid_a and owners.get((peer, local)) == pid_b
-    ]
+    at_b = _established(pid_b)
+    return sorted((local, peer) for local, peer in _established(pid_a) if (peer, local) in at_b)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 
+import psutil
 import pytest
 import torch
 from kv_transfer_kit import deadline_in, layout, make_pool, random_kv
@@ -26,8 +26,12 @@ TOKEN = "kv-secret-123"
 
 
 def listening_on(port: int) -> list[str]:
-    out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
-    return [line.split()[3] for line in out.splitlines() if line.split()[3].endswith(f":{port}")]
+    """'ip:port' of this process's listening TCP sockets on ``port``."""
+    return [
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
 
 
 def test_receiver_binds_its_node_address_only_and_the_sender_its_own() -> None:
