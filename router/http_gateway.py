@@ -45,6 +45,7 @@ from pdserve import metrics
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
 from pdserve.types import SampledToken
+from router.dashboard import add_operator_routes
 from router.errors import (
     BadRequest,
     InsufficientResources,
@@ -53,7 +54,9 @@ from router.errors import (
     Unauthorized,
 )
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.request_id import RequestIdMiddleware
 from router.serving import ChoiceDelta, RequestStream, Router
+from router.status import ClusterMonitor
 
 log = logging.getLogger(__name__)
 
@@ -595,6 +598,7 @@ def build_app(
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
     gateway = OpenAIGateway(router)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -635,6 +639,9 @@ def build_app(
         }
 
     app.include_router(v1)
+    # operators' view: /v1/cluster/status, /v1/requests/{id}, /dashboard
+    app.state.monitor = ClusterMonitor(router, control)
+    add_operator_routes(app, app.state.monitor, require_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -55,6 +55,7 @@ from pdserve.v1 import worker_pb2 as pb
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
+from router.request_log import SequenceTrace
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class RequestLifecycle:
         config: LifecycleConfig,
         deadline: float,
         prefill_policy: PrefillPolicy | None = None,
+        trace: SequenceTrace | None = None,
     ) -> None:
         if sampling.max_tokens is None:
             raise ValueError("sampling.max_tokens must be resolved before the lifecycle starts")
@@ -212,6 +214,10 @@ class RequestLifecycle:
         self.deadline = deadline
         self.policy = prefill_policy or PrefillPolicy()
         self._sampling_pb = rpc.sampling_to_proto(sampling)
+        # the timeline /v1/requests/{id} shows (placements, KV transfers, re-placements)
+        self.trace = trace or SequenceTrace(
+            request_id, 0, len(self.prompt_token_ids), config.block_size, time.monotonic()
+        )
 
         self.state = S.QUEUED
         self.output: list[SampledToken] = []
@@ -310,6 +316,7 @@ class RequestLifecycle:
             return
         self._set(state)
         self.finish_reason = reason
+        self.trace.ended(state.value, reason, len(self.output), str(self.error or ""))
         timeout = self.config.abort_timeout_s
         if self._leg is not None:
             self._leg.close(abort=state is not S.FINISHED, timeout_s=timeout)
@@ -325,6 +332,7 @@ class RequestLifecycle:
         accepted = list(tokens[:room])
         if accepted and self.first_token_time is None:
             self.first_token_time = time.monotonic()
+            self.trace.first_token()
         self.output.extend(accepted)
         if len(self.output) >= self.max_tokens and len(tokens) > len(accepted):
             log.warning("%s: worker sent tokens past max_tokens", self.request_id)
@@ -411,6 +419,8 @@ class RequestLifecycle:
         kind = event.WhichOneof("event")
         if kind == "accepted":
             leg.accepted = event.accepted
+            reserved = event.accepted.num_reserved_blocks or blocks
+            self.trace.decode_reserved(worker.worker_id, attempt_id, reserved, local)
             return leg
         leg.close(abort=True, timeout_s=abort_timeout)
         if kind == "error":
@@ -476,6 +486,7 @@ class RequestLifecycle:
         worker.inflight += 1
         worker.inflight_tokens += len(tokens)
         self._prefill_holder = (worker, leg.attempt_id)
+        self.trace.prefill_started(worker.worker_id, leg.attempt_id, len(tokens))
         try:
             timeout = min(self._remaining(), self.config.prefill_timeout_s)
             resp = await worker.client.prefill(req, timeout)
@@ -487,6 +498,7 @@ class RequestLifecycle:
             worker.inflight_tokens -= len(tokens)
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
+        self.trace.prefill_done(worker.worker_id, resp, len(tokens))
         metrics.observe_prefill(resp.queue_ms, resp.compute_ms, resp.transfer_ms)
         if not self.output:
             self.cached_tokens = resp.cached_tokens
@@ -505,6 +517,7 @@ class RequestLifecycle:
             spawn(worker.client.abort(leg.attempt_id, self.config.abort_timeout_s))
             self._prefill_holder = None
         self._drop_leg(abort=True)
+        self.trace.prefill_failed(worker.worker_id, code.name, details)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in _WORKER_DOWN:
@@ -590,6 +603,8 @@ class RequestLifecycle:
         self._drop_leg(abort=False)
         self._left_decode.add(leg.worker.worker_id)
         self.num_preemptions += 1
+        cause = ev.reason or "preempted by the decode worker"
+        self.trace.replaced("preemption", leg.worker.worker_id, cause, len(self.output))
         log.info("%s: preempted on %s (%s)", leg.attempt_id, leg.worker.worker_id, ev.reason)
         self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
         self._check_replacements()
@@ -601,6 +616,7 @@ class RequestLifecycle:
         self._drop_leg(abort=True)
         self._left_decode.add(leg.worker.worker_id)
         self.num_migrations += 1
+        self.trace.replaced("migration", leg.worker.worker_id, why, len(self.output))
         log.warning(
             "%s: decode %s lost (%s); re-placing", leg.attempt_id, leg.worker.worker_id, why
         )
