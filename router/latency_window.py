@@ -99,12 +99,11 @@ class WindowSummary:
         }
 
 
-class SlidingQuantiles:
-    """Quantiles of a stream of non-negative values over recent windows.
+class _Windowed(Generic[_T]):
+    """Common state of the sliding statistics: buckets of ``_new_bucket()`` payloads.
 
-    ``add(x)`` costs one sketch insert; ``summary(window_s)`` merges ``window_s / bucket_s``
-    sketches. ``clock``: seconds, monotonic (``time.monotonic`` by default; tests pass a fake).
-    Raises ValueError for a bucket or retention <= 0.
+    ``bucket_s``/``retention_s``: seconds (ValueError when <= 0 or retention < bucket).
+    ``clock``: seconds, monotonic (``time.monotonic`` by default; tests pass a fake).
     """
 
     def __init__(
@@ -113,9 +112,23 @@ class SlidingQuantiles:
         retention_s: float = DEFAULT_RETENTION_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._buckets: _Buckets[DDSketch] = _Buckets(
-            lambda: DDSketch(RELATIVE_ACCURACY), bucket_s, retention_s, clock
-        )
+        self._clock = clock
+        self._started = clock()
+        self._buckets: _Buckets[_T] = _Buckets(self._new_bucket, bucket_s, retention_s, clock)
+
+    def _new_bucket(self) -> _T:
+        raise NotImplementedError
+
+
+class SlidingQuantiles(_Windowed[DDSketch]):
+    """Quantiles of a stream of non-negative values over recent windows.
+
+    ``add(x)`` costs one sketch insert; ``summary(window_s)`` merges ``window_s / bucket_s``
+    sketches.
+    """
+
+    def _new_bucket(self) -> DDSketch:
+        return DDSketch(RELATIVE_ACCURACY)
 
     def add(self, value: float) -> None:
         """Record one sample (negative values are clamped to 0: they are clock noise)."""
@@ -138,23 +151,17 @@ def _summarise(sketches: Iterable[DDSketch]) -> WindowSummary:
     return WindowSummary(n, q(0.5), q(0.9), q(0.99), merged.sum / n)
 
 
-class SlidingRate:
+class SlidingRate(_Windowed[list[float]]):
     """A running sum over recent windows (tokens, bytes), reported per second.
 
-    ``clock``: seconds, monotonic. ``started``: when counting began, so a window longer than the
-    process's life is divided by the time actually observed.
+    A window longer than the object's life is divided by the time actually observed.
+    ``total``: everything added since creation.
     """
 
-    def __init__(
-        self,
-        bucket_s: float = DEFAULT_BUCKET_S,
-        retention_s: float = DEFAULT_RETENTION_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._buckets: _Buckets[list[float]] = _Buckets(lambda: [0.0], bucket_s, retention_s, clock)
-        self._clock = clock
-        self._started = clock()
-        self.total = 0.0
+    total = 0.0
+
+    def _new_bucket(self) -> list[float]:
+        return [0.0]
 
     def add(self, amount: float) -> None:
         """Count ``amount`` (>= 0) now."""

@@ -14,21 +14,18 @@ installs it as root; without it the test fails and says how to install it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import os
 import shutil
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import uvicorn
 from fake_workers import FakeDecode, _serve, start_fake_cluster
 from playwright.async_api import Page, Route, async_playwright
+from test_http_gateway import live_server
 
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker_info import WorkerInfo
@@ -70,26 +67,6 @@ def is_loopback(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.asynccontextmanager
-async def live(app: Any) -> AsyncIterator[str]:
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 class Watch:
@@ -144,7 +121,7 @@ async def test_dashboard_in_headless_chromium(tokenizer: Tokenizer, tmp_path: Pa
     app.state.monitor.interval_s = 0.5  # denser history so the test sees charts move quickly
     extra_server = None
     try:
-        async with live(app) as url, async_playwright() as pw:
+        async with live_server(app) as url, async_playwright() as pw:
             browser = await pw.chromium.launch(
                 executable_path=exe, args=CHROMIUM_ARGS, headless=True
             )
@@ -240,7 +217,7 @@ async def test_dashboard_asks_for_the_api_key_once(tokenizer: Tokenizer) -> None
     router = Router(RouterConfig(model_name="smollm2", max_model_len=512), tokenizer, c.pool)
     app = build_app(router, api_key="s3cret")
     try:
-        async with live(app) as url, async_playwright() as pw:
+        async with live_server(app) as url, async_playwright() as pw:
             browser = await pw.chromium.launch(
                 executable_path=exe, args=CHROMIUM_ARGS, headless=True
             )

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fake_workers import FakeCluster, start_fake_cluster
+from test_http_gateway import live_server
 
 from pdserve.tokenizer import Tokenizer
 from router.http_gateway import build_app
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.timeout(90)
 
 PROMPT_32 = list(range(100, 132))  # two full KV blocks of 16 tokens
 FAKE_BYTES_PER_TOKEN = 100  # what FakePrefill reports per prompt token
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
@@ -57,17 +50,13 @@ async def served(
         c.pool,
     )
     app = build_app(router, api_key=api_key)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        async with (
+            live_server(app) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
             yield c, router, client
     finally:
-        server.should_exit = True
-        await task
         await app.state.monitor.stop()
         await drain_background()
         await c.close()
