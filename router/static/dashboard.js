@@ -177,28 +177,29 @@ async function showRecord(id) {
 
 // -- charts -----------------------------------------------------------------------------------------
 
-function chartOpts(series, yLabel) {
+function chartOpts(series, yLabel, yFormat) {
   const width = Math.max(300, ($(".charts figure")?.clientWidth || 440) - 14);
   return {
     width, height: 180,
     cursor: { drag: { x: false, y: false } },
     legend: { live: false },
     scales: { x: { time: true } },
-    axes: [{}, { label: yLabel, size: 56 }],
+    axes: [{}, { label: yLabel, size: 64,
+                 ...(yFormat ? { values: (u, ticks) => ticks.map(yFormat) } : {}) }],
     series: [{}, ...series.map((name, i) => ({
       label: name, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
     }))],
   };
 }
 
-function draw(id, names, yLabel, data) {
+function draw(id, names, yLabel, data, yFormat) {
   const key = `${id}:${names.join("|")}`;
   let c = charts[id];
   if (!c || c.key !== key) {
     if (c) c.plot.destroy();
     const target = $(`#${id}`);
     target.replaceChildren();
-    c = charts[id] = { key, plot: new uPlot(chartOpts(names, yLabel), data, target) };
+    c = charts[id] = { key, plot: new uPlot(chartOpts(names, yLabel, yFormat), data, target) };
   } else {
     c.plot.setData(data);
   }
@@ -215,7 +216,8 @@ function renderCharts(h, workerIds) {
   const ids = [...new Set([...workerIds, ...pts.flatMap((p) => Object.keys(p.kv_usage))])].sort();
   draw("chart-kv", ids, "%", [t, ...ids.map((w) =>
     pts.map((p) => (w in p.kv_usage ? 100 * p.kv_usage[w] : null)))]);
-  draw("chart-bw", ["KV transfer"], "MB/s", [t, col("kv_transfer_bytes_per_s", 1e-6)]);
+  draw("chart-bw", ["KV transfer"], "per second", [t, col("kv_transfer_bytes_per_s")],
+       (v) => bytes(v));
 }
 
 // -- the loop -----------------------------------------------------------------------------------------
