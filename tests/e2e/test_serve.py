@@ -217,8 +217,10 @@ def test_disconnect_frees_kv_on_both_workers_within_2s(server: ServeProcess) -> 
         time.sleep(0.05)
 
 
-# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; float32 KV on CPU (the default dtype there)
-SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4  # K and V of one 16-token block, bytes
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64. K and V of one 16-token block, in bytes, for
+# the dtypes `--dtype auto` picks on a CPU (float32, or bfloat16 where the CPU has native bf16).
+SMOLLM2_BLOCK_BYTES = {"float32": 2 * 30 * 3 * 64 * 16 * 4, "bfloat16": 2 * 30 * 3 * 64 * 16 * 2}
+KV_CACHE_BYTES = 256 * 1024 * 1024  # --kv-cache-memory-bytes of serve_process.SMALL
 
 
 def test_status_api_and_kv_handoff_record(server: ServeProcess) -> None:
@@ -238,8 +240,9 @@ def test_status_api_and_kv_handoff_record(server: ServeProcess) -> None:
     assert seq["prefill_worker"].startswith("prefill") and seq["decode_worker"].startswith("decode")
     (t,) = seq["transfers"]
     assert t["path"] == "transferred" and t["outcome"] == "ok" and t["blocks"] == 2
-    assert t["bytes_per_block"] == SMOLLM2_BLOCK_BYTES
-    assert t["bytes"] == t["blocks"] * SMOLLM2_BLOCK_BYTES == seq["kv_bytes_sent"]
+    block_bytes = t["bytes_per_block"]
+    assert block_bytes in SMOLLM2_BLOCK_BYTES.values()
+    assert t["bytes"] == t["blocks"] * block_bytes == seq["kv_bytes_sent"]
     assert (
         t["prefill_worker"] == seq["prefill_worker"] and t["decode_worker"] == seq["decode_worker"]
     )
@@ -261,7 +264,8 @@ def test_status_api_and_kv_handoff_record(server: ServeProcess) -> None:
     assert workers["prefill"]["kv_bytes_sent"] >= t["bytes"]
     assert workers["decode"]["kv_bytes_received"] >= t["bytes"]
     assert workers["decode"]["restarts"] == 0 and workers["decode"]["health"] == "healthy"
-    assert workers["decode"]["kv_blocks_total"] > 0
+    # the workers sized their pools with the same block bytes: memory // block bytes
+    assert workers["decode"]["kv_blocks_total"] == KV_CACHE_BYTES // block_bytes
     assert httpx.get(f"{server.url}/v1/cluster/status", timeout=30).status_code == 401
     assert httpx.get(f"{server.url}/dashboard", timeout=30).status_code == 200
 
