@@ -78,6 +78,9 @@ class DecodeStatsSnapshot:
     num_preemptions: int
     num_finished: int
     kv_endpoint: str
+    batch_size: float = 0.0  # mean sequences per step over the window
+    generation_tokens: int = 0  # tokens sampled since start
+    transfer_bytes_received: int = 0  # KV bytes received since start
 
 
 class _StepWindow:
@@ -86,11 +89,16 @@ class _StepWindow:
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self._steps: deque[tuple[float, float, int]] = deque()
+        self._batches: deque[int] = deque()  # sequences per step, parallel to _steps
+        self.total_tokens = 0  # sampled since start
 
-    def add(self, end: float, duration: float, tokens: int) -> None:
+    def add(self, end: float, duration: float, tokens: int, batch: int = 0) -> None:
         self._steps.append((end, duration, tokens))
+        self._batches.append(batch)
+        self.total_tokens += tokens
         while self._steps and self._steps[0][0] < end - self.window_s:
             self._steps.popleft()
+            self._batches.popleft()
 
     def rates(self, now: float) -> tuple[float, float]:
         """(mean step ms, generated tokens/s) over the window ending ``now``."""
@@ -100,6 +108,12 @@ class _StepWindow:
         busy_ms = 1000.0 * sum(d for _, d, _ in steps) / len(steps)
         span = max(now - (steps[0][0] - steps[0][1]), 1e-9)
         return busy_ms, sum(t for _, _, t in steps) / span
+
+    def mean_batch(self, now: float) -> float:
+        """Mean sequences per step over the window ending ``now`` (0 when idle)."""
+        recent = zip(self._steps, self._batches, strict=True)
+        sizes = [b for s, b in recent if s[0] >= now - self.window_s]
+        return sum(sizes) / len(sizes) if sizes else 0.0
 
 
 class DecodeEngine:
@@ -351,7 +365,9 @@ class DecodeEngine:
                 self.scheduler.fail_step(plan, str(e))
             self._flush()
             self.num_steps += 1
-            self._window.add(time.monotonic(), t1 - t0, sum(s.sample for s in plan.seqs))
+            self._window.add(
+                time.monotonic(), t1 - t0, sum(s.sample for s in plan.seqs), len(plan.seqs)
+            )
         return len(plan.seqs)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
@@ -426,7 +442,8 @@ class DecodeEngine:
         """A consistent snapshot of the engine's counters (see DecodeStatsSnapshot)."""
         with self._lock:
             s = self.scheduler
-            step_ms, tok_s = self._window.rates(time.monotonic())
+            now = time.monotonic()
+            step_ms, tok_s = self._window.rates(now)
             return DecodeStatsSnapshot(
                 worker_id=self.worker_id,
                 num_running=s.num_running,
@@ -439,6 +456,11 @@ class DecodeEngine:
                 num_preemptions=s.num_preemptions,
                 num_finished=s.num_finished,
                 kv_endpoint=self.kv_endpoint,
+                batch_size=self._window.mean_batch(now),
+                generation_tokens=self._window.total_tokens,
+                transfer_bytes_received=self.receiver.stats().bytes
+                if self.receiver is not None
+                else 0,
             )
 
     def check_integrity(self) -> None:

@@ -139,6 +139,9 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             num_preemptions=s.num_preemptions,
             num_finished=s.num_finished,
             kv_endpoint=s.kv_endpoint,
+            batch_size=s.batch_size,
+            generation_tokens=s.generation_tokens,
+            transfer_bytes_received=s.transfer_bytes_received,
         )
 
 

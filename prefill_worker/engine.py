@@ -72,6 +72,9 @@ class PrefillEngineStats:
     num_prefills: int
     transfer_bytes: int
     transfer_failures: int
+    step_time_ms: float = 0.0  # mean forward time per step over the last 10 s, ms
+    batch_size: float = 0.0  # mean prompt chunks per step over the last 10 s
+    prompt_tokens_computed: int = 0  # prompt tokens computed since start
 
 
 @dataclass(eq=False)
@@ -91,6 +94,8 @@ class _Counters:
     transfer_bytes: int = 0
     transfer_failures: int = 0
     steps: deque[tuple[float, int]] = field(default_factory=deque)  # (end time, tokens)
+    shapes: deque[tuple[float, float, int]] = field(default_factory=deque)  # (end, s, chunks)
+    prompt_tokens_computed: int = 0
 
 
 class PrefillEngine:
@@ -252,6 +257,7 @@ class PrefillEngine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return 0
+        t0 = time.monotonic()
         try:
             tokens = self.runner.execute([c.batch for c in chunks])
         except Exception as e:  # the worker keeps serving the others
@@ -263,6 +269,8 @@ class PrefillEngine:
         num = sum(len(c.batch.token_ids) for c in chunks)
         with self._lock:
             self._counters.steps.append((now, num))
+            self._counters.shapes.append((now, now - t0, len(chunks)))
+            self._counters.prompt_tokens_computed += num
             sampled = {
                 c.seq.request_id: t for c, t in zip(chunks, tokens, strict=True) if t is not None
             }
@@ -414,6 +422,9 @@ class PrefillEngine:
             steps = self._counters.steps
             while steps and steps[0][0] < now - _RATE_WINDOW_S:
                 steps.popleft()
+            shapes = self._counters.shapes
+            while shapes and shapes[0][0] < now - _RATE_WINDOW_S:
+                shapes.popleft()
             span = min(_RATE_WINDOW_S, max(now - self._started_at, 1e-3))
             queries, hits = self.kv.prefix_cache_stats
             pool = self.kv.block_pool
@@ -429,6 +440,9 @@ class PrefillEngine:
                 num_prefills=self._counters.num_prefills,
                 transfer_bytes=self._counters.transfer_bytes,
                 transfer_failures=self._counters.transfer_failures,
+                step_time_ms=1e3 * sum(d for _, d, _ in shapes) / len(shapes) if shapes else 0.0,
+                batch_size=sum(n for _, _, n in shapes) / len(shapes) if shapes else 0.0,
+                prompt_tokens_computed=self._counters.prompt_tokens_computed,
             )
 
     def request_state(self, request_id: str) -> PrefillState | None:

@@ -131,6 +131,9 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             num_prefills=s.num_prefills,
             transfer_bytes=s.transfer_bytes,
             transfer_failures=s.transfer_failures,
+            step_time_ms=s.step_time_ms,
+            batch_size=s.batch_size,
+            prompt_tokens_computed=s.prompt_tokens_computed,
         )
 
 
