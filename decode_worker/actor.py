@@ -27,7 +27,9 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import serve
+from pdserve.auth import internal_token_check
 from pdserve.config import EngineConfig
+from pdserve.net import engine_config_for, worker_address
 from pdserve.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -60,27 +62,34 @@ class DecodeActor:
         self._server: grpc.aio.Server | None = None
         self._info: WorkerInfo | None = None
 
-    async def start(self, host: str = "127.0.0.1") -> WorkerInfo:
+    async def start(self, host: str | None = None) -> WorkerInfo:
         """Build the engine (in a thread, so ``ping`` stays answered while weights load), then
-        serve gRPC on a free port of ``host``. Idempotent.
+        serve gRPC on a free port. Idempotent.
 
-        Raises ConfigError (bad model/config), ValueError (KV receiver) or RuntimeError (the
-        gRPC port cannot be bound).
+        ``host``: bind address of gRPC and the KV receiver (default ``config.worker_host``, else
+        this node's IP; see pdserve/net.py); the node IP is advertised for a wildcard. Raises
+        ConfigError (bad model/config), ValueError (KV receiver) or RuntimeError (the gRPC port
+        cannot be bound).
         """
         if self._info is not None:
             return self._info
+        where = worker_address(host or self.config.worker_host)  # multi-node: bind/advertise
+        config = engine_config_for(self.config, where)
         engine = await asyncio.to_thread(
             DecodeEngine.build,
-            self.config,
+            config,
             worker_id=self.worker_id,
             allow_local_prefill=self.allow_local_prefill,
         )
         try:
-            server, address = await serve(engine, host=host)
+            server, bound = await serve(
+                engine, host=where.bind, interceptors=internal_token_check(config.internal_token)
+            )
         except BaseException:
             engine.stop()
             raise
         self.engine, self._server = engine, server
+        address = where.endpoint(int(bound.rpartition(":")[2]))
         self._info = WorkerInfo(
             worker_id=self.worker_id,
             role="decode",
@@ -89,6 +98,7 @@ class DecodeActor:
             num_blocks=engine.kv.num_blocks,
             block_size=engine.kv.block_size,
             pid=os.getpid(),
+            node_address=where.advertise,
         )
         log.info(
             "decode worker %s serving on %s, KV receiver %s (%d KV blocks, %d torch threads, "

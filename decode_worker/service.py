@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -153,14 +153,17 @@ def add_to_server(engine: DecodeEngine, server: grpc.aio.Server) -> DecodeServic
 
 
 async def serve(
-    engine: DecodeEngine, host: str = "127.0.0.1", port: int = 0
+    engine: DecodeEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, str]:
     """Start a grpc.aio server with the DecodeService on ``host:port`` (0 = a free port).
 
-    Starts the engine's step loop too. Returns (server, "host:port"). Raises RuntimeError when
-    the port cannot be bound.
+    ``interceptors``: e.g. the internal-token check (pdserve/auth.py). Starts the engine's step
+    loop too. Returns (server, "host:port"). Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=list(interceptors))
     add_to_server(engine, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from pdserve.config import TransferConfig
     from pdserve.kv_cache.pool import KVPool
 
-SenderFactory = Callable[..., KVSender]  # (layout, *, device, timeout_s, checksum)
-ReceiverFactory = Callable[..., KVReceiver]  # (pool, layout, *, host, port, timeout_s)
+# (layout, *, device, timeout_s, checksum, auth_token, host)
+SenderFactory = Callable[..., KVSender]
+# (pool, layout, *, host, port, timeout_s, bind_host, auth_token)
+ReceiverFactory = Callable[..., KVReceiver]
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,12 @@ def make_sender(
 ) -> KVSender:
     """A sender of ``config.backend`` for KV of ``layout`` living on ``device``."""
     return get_backend(config.backend).sender(
-        layout, device=device, timeout_s=config.timeout_s, checksum=config.checksum
+        layout,
+        device=device,
+        timeout_s=config.timeout_s,
+        checksum=config.checksum,
+        auth_token=config.auth_token,
+        host=config.host,
     )
 
 
@@ -84,9 +91,16 @@ def make_receiver(
     config: TransferConfig, pool: KVPool, layout: KVLayout, port: int = 0
 ) -> KVReceiver:
     """A receiver of ``config.backend`` scattering into ``pool``, listening on
-    ``config.host:port`` (port 0 = a free port; read :attr:`KVReceiver.endpoint`)."""
+    ``config.bind_host`` (default ``config.host``) port ``port`` (0 = a free port) and
+    advertising ``config.host`` in :attr:`KVReceiver.endpoint`."""
     return get_backend(config.backend).receiver(
-        pool, layout, host=config.host, port=port, timeout_s=config.timeout_s
+        pool,
+        layout,
+        host=config.host,
+        port=port,
+        timeout_s=config.timeout_s,
+        bind_host=config.bind_host,
+        auth_token=config.auth_token,
     )
 
 

@@ -82,6 +82,13 @@ class LayoutMismatchError(KVTransferError):
     """Sender and receiver KV layouts differ; the message names each differing field."""
 
 
+class UnauthenticatedError(LayoutMismatchError):
+    """The receiver refused to pair: the sender's internal token is missing or wrong.
+
+    A refused pairing like a layout mismatch (counted as a handshake failure, never retried).
+    """
+
+
 class ChannelClosedError(KVTransferError):
     """The channel to the peer broke or was closed (peer died, closed, or failed a handshake)."""
 

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +47,8 @@ class LoopbackReceiver(KVReceiver):
 
     ``port``: 0 = a fresh endpoint ``loopback:<n>``; otherwise ``loopback:<port>``, which must
     not be taken by an open receiver (a "restarted" receiver can reuse a closed one's endpoint).
-    ``host``, ``timeout_s``: accepted for signature parity with torch_dist; unused.
+    ``host``, ``timeout_s``, ``bind_host``, ``auth_token``: accepted for signature parity with
+    torch_dist; unused (in-process: nothing to bind, nobody else to keep out).
     Raises ValueError when the endpoint is taken or ``layout`` does not describe ``pool``.
     """
 
@@ -59,6 +60,8 @@ class LoopbackReceiver(KVReceiver):
         host: str = "loopback",
         port: int = 0,
         timeout_s: float = 30.0,
+        bind_host: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self.layout = layout
         self.device = torch.device(pool.device)
@@ -136,7 +139,20 @@ class _LoopbackChannel(PeerChannel):
 
 
 class LoopbackSender(QueuedSender):
-    """Sends KV to :class:`LoopbackReceiver` objects of this process (see QueuedSender)."""
+    """Sends KV to :class:`LoopbackReceiver` objects of this process (see QueuedSender).
+
+    ``auth_token``, ``host``: accepted for signature parity with torch_dist; unused (in-process).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        auth_token: str | None = None,
+        host: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(layout, **kwargs)
 
     def _connect(self, peer: str) -> PeerChannel:
         with _registry_lock:

@@ -16,7 +16,6 @@ any failure marks the group broken.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
+from kv_transfer.address import gloo_device
 from kv_transfer.base import ChannelClosedError, KVTransferError, TransferTimeoutError
 
 TAG_HEADER = 1
@@ -50,17 +50,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_s)
 
 
-def local_address_toward(host: str) -> str:
-    """The local IP address the OS routes to ``host`` from (no packet is sent)."""
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
 def classify(error: BaseException, what: str) -> KVTransferError:
     """A backend exception as TransferTimeoutError (it timed out) or ChannelClosedError."""
     text = f"{what}: {error}"
@@ -83,7 +72,7 @@ class PairGroup:
 
     ``store``: a TCPStore connection (the group keeps it); ``pair``: the pair's key prefix;
     ``rank``: RECEIVER_RANK or SENDER_RANK; ``device``: where the tensors live; ``bind_host``:
-    local address gloo listens on; ``timeout_s``: bound on building the group. Raises
+    local address gloo listens on (``GLOO_SOCKET_IFNAME``, when set, wins: see address.py); ``timeout_s``: bound on building the group. Raises
     TransferTimeoutError or ChannelClosedError when the peer does not join.
     """
 
@@ -108,7 +97,7 @@ class PairGroup:
                 # exposed as the underscored class.
                 opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
-                opts._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
+                opts._devices = [gloo_device(bind_host)]
                 self.pg: Any = ProcessGroupGloo(prefixed, rank, 2, opts)
             else:
                 from torch.distributed import ProcessGroupNCCL

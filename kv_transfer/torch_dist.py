@@ -4,13 +4,22 @@ Pairing (the decode worker's receiver hosts a ``TCPStore`` at its endpoint)::
 
     sender                                         receiver (store master, accept thread)
     n = add("pdkv/pairs", 1); pair = "pdkv/pair<n>/"
-    queue_push("pdkv/hello", {pair, layout, wire})  ──>  queue_pop: compare layouts and wire
+    queue_push("pdkv/hello", {pair, layout, wire,   ──>  queue_pop: check the token, compare
+                              token})                     layouts and wire
     wait(pair + "answer")                           <──  set(pair + "answer", {ok | error, idle})
+    delete_key(pair + "answer")
     PairGroup(rank 1) on PrefixStore(pair)          <─>  PairGroup(rank 0) in a channel thread
 
 then per transfer the messages of :mod:`kv_transfer.wire` on that group. A refused pairing
 (layout or wire backend mismatch) fails the sender's transfer with LayoutMismatchError and is
-logged and counted (``handshake_failures``, ``last_error``) on the receiver.
+logged and counted (``handshake_failures``, ``last_error``) on the receiver. With an internal
+token (``auth_token``, pdserve/auth.py) the receiver refuses a hello that does not carry it
+(constant-time check) before looking at anything else: the sender gets UnauthenticatedError, the
+receiver counts a handshake failure and builds no channel; the token is never logged.
+
+Addresses (multi-node): the receiver's store listens on ``bind_host`` (default ``host``) and its
+endpoint advertises ``host``; each side's gloo device listens on the local address that routes to
+the peer, or on ``GLOO_SOCKET_IFNAME`` (kv_transfer/address.py).
 
 Each channel thread waits for the next header for at most ``idle_timeout_s``, then closes the
 channel; senders rebuild channels idle for half that long before using them, so an idle close
@@ -35,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed import QueueEmptyError, TCPStore
 
+from kv_transfer.address import local_address_toward, store_listen_socket
 from kv_transfer.base import (
     ChannelClosedError,
     KVLayout,
@@ -45,6 +55,7 @@ from kv_transfer.base import (
     TransferResult,
     TransferStats,
     TransferTimeoutError,
+    UnauthenticatedError,
     mismatch_message,
 )
 from kv_transfer.pair_group import (
@@ -55,7 +66,6 @@ from kv_transfer.pair_group import (
     TAG_PAYLOAD,
     PairGroup,
     classify,
-    local_address_toward,
     parse_endpoint,
     wire_backend,
 )
@@ -70,6 +80,7 @@ from kv_transfer.wire import (
     MessageKind,
     ProtocolError,
 )
+from pdserve.auth import secrets_match
 
 if TYPE_CHECKING:
     from pdserve.kv_cache.pool import KVPool
@@ -141,6 +152,9 @@ class TorchDistSender(QueuedSender):
     """Sends KV over one pair group per decode worker (see :class:`QueuedSender`).
 
     ``device``: 'cpu' (gloo) or a CUDA device (NCCL); ``kv`` passed to ``send`` must live there.
+    ``auth_token``: the internal token presented in every hello (None = none). ``host``: this
+    worker's own address, where its gloo socket listens (None = the local address that routes
+    to each peer).
     """
 
     def __init__(
@@ -151,6 +165,8 @@ class TorchDistSender(QueuedSender):
         timeout_s: float = 30.0,
         checksum: bool = False,
         ping_after_idle_s: float = 1.0,
+        auth_token: str | None = None,
+        host: str | None = None,
     ) -> None:
         super().__init__(
             layout,
@@ -161,6 +177,8 @@ class TorchDistSender(QueuedSender):
         )
         self.wire = wire_backend(self.device)
         self._who = f"{socket.gethostname()}:{os.getpid()}"
+        self._token = auth_token or ""
+        self._host = host
 
     def _check_peer(self, peer: str) -> None:
         parse_endpoint(peer)
@@ -176,16 +194,25 @@ class TorchDistSender(QueuedSender):
                 "layout": self.layout.to_dict(),
                 "wire": self.wire,
                 "sender": self._who,
+                "token": self._token,
             }
             store.queue_push(HELLO_QUEUE, json.dumps(hello))
             store.wait([pair + "answer"], timeout)
             answer = json.loads(store.get(pair + "answer"))
+            store.delete_key(pair + "answer")  # read once: leave nothing in the receiver's store
         except RuntimeError as e:
             raise classify(e, f"pairing with KV receiver {peer}") from e
+        if answer.get("unauthenticated"):
+            raise UnauthenticatedError(f"KV receiver {peer} refused to pair: {answer.get('error')}")
         if not answer.get("ok"):
             raise LayoutMismatchError(f"KV receiver {peer} refused to pair: {answer.get('error')}")
         group = PairGroup(
-            store, pair, SENDER_RANK, self.device, local_address_toward(host), self.timeout_s
+            store,
+            pair,
+            SENDER_RANK,
+            self.device,
+            self._host or local_address_toward(host),
+            self.timeout_s,
         )
         return _Channel(group, store, float(answer["idle_timeout_s"]) / 2)
 
@@ -194,7 +221,10 @@ class TorchDistSender(QueuedSender):
 class TorchDistReceiver(KVReceiver):
     """Receives KV from any number of senders into ``pool`` (see the module docstring).
 
-    ``host``/``port``: where the TCPStore listens (port 0 = a free port; see :attr:`endpoint`).
+    ``host``/``port``: the address advertised in :attr:`endpoint` and the port the TCPStore
+    listens on (0 = a free port); ``bind_host``: where it listens (default ``host``; a wildcard
+    such as 0.0.0.0 listens on every interface). ``auth_token``: hellos must carry it (None =
+    no check).
     ``timeout_s``: bound on pairing and on each payload receive / ack send.
     ``idle_timeout_s``: a channel with no header for this long is closed (senders reconnect).
     ``on_header``: fault injection for tests, called with each TRANSFER header before its payload
@@ -212,6 +242,8 @@ class TorchDistReceiver(KVReceiver):
         timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
         on_header: Callable[[Header], None] | None = None,
+        bind_host: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         if not timeout_s > 0 or not idle_timeout_s > 0:
             raise ValueError(f"timeout_s ({timeout_s}) and idle_timeout_s must be > 0")
@@ -222,16 +254,29 @@ class TorchDistReceiver(KVReceiver):
         self.timeout_s = float(timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
         self._on_header = on_header
+        self._token = auth_token
         self._stats = StatsCounter()
         self._core = ReceiverCore(pool, layout, self._stats)
         # Largest payload that can fit the pool: a header announcing more is a protocol error.
         self._max_payload = pool.num_blocks * layout.block_size * layout.bytes_per_token
+        listen_on = bind_host or host
         try:
+            sock = store_listen_socket(listen_on, port)
+        except OSError as e:
+            raise KVTransferError(f"KV receiver cannot listen on {listen_on}:{port}: {e}") from e
+        try:
+            # NOTE: the store takes over the listening socket (closed with the store).
             self._store: TCPStore | None = TCPStore(
-                host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+                host,
+                sock.getsockname()[1],
+                None,
+                True,
+                timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=sock.detach(),
             )
         except RuntimeError as e:
-            raise KVTransferError(f"KV receiver cannot listen on {host}:{port}: {e}") from e
+            raise KVTransferError(f"KV receiver cannot listen on {listen_on}:{port}: {e}") from e
         self._port = int(self._store.port)
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -311,10 +356,15 @@ class TorchDistReceiver(KVReceiver):
             self._accept(store, raw)
 
     def _accept(self, store: TCPStore, raw: bytes) -> None:
-        """Answer one sender's hello; start its channel thread if the layouts agree."""
+        """Answer one sender's hello; start its channel thread if the token and layouts agree."""
         try:
             hello: dict[str, Any] = json.loads(raw)
             pair = str(hello["pair"])
+            if self._token is not None and not secrets_match(
+                str(hello.get("token", "")), self._token
+            ):
+                self._refuse_unauthenticated(store, pair, str(hello.get("sender")))
+                return
             error = mismatch_message(KVLayout.from_dict(hello["layout"]), self.layout)
             if error is None and hello["wire"] != self.wire:
                 error = (
@@ -345,6 +395,17 @@ class TorchDistReceiver(KVReceiver):
         with self._lock:
             self._threads.add(thread)
         thread.start()
+
+    def _refuse_unauthenticated(self, store: TCPStore, pair: str, who: str) -> None:
+        """Answer a hello without the right token: counted and logged (never the token)."""
+        error = "missing or incorrect internal token (--internal-token / PDSERVE_INTERNAL_TOKEN)"
+        self._stats.bump("handshake_failures", error=f"unauthenticated hello from {who}")
+        log.warning("KV receiver %s refused %s: %s", self.endpoint, who, error)
+        answer = {"ok": False, "unauthenticated": True, "error": error}
+        try:
+            store.set(pair + "answer", json.dumps(answer))
+        except RuntimeError as e:
+            log.warning("KV receiver %s: cannot answer %s: %s", self.endpoint, pair, e)
 
     def _serve_channel(self, pair: str, who: str) -> None:
         """Channel thread: build the group, then header -> payload -> scatter -> ack, forever."""

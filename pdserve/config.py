@@ -274,7 +274,11 @@ class TransferConfig:
     backend: str = "torch_dist"  # torch_dist | loopback
     timeout_s: float = 30.0  # per send/recv
     checksum: bool = False
-    host: str = "127.0.0.1"  # address the decode worker's TCPStore binds / advertises
+    # This worker's address on the KV network (its node IP): a decode worker advertises it in its
+    # endpoint, a prefill worker's gloo socket listens on it.
+    host: str = "127.0.0.1"
+    bind_host: str | None = None  # where its TCPStore listens (None = host; 0.0.0.0 = all)
+    auth_token: str | None = field(default=None, repr=False)  # internal token of KV handshakes
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch_dist", "loopback"):
@@ -291,6 +295,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    # Multi-node (pdserve/net.py, pdserve/auth.py): where the worker binds (None = its node IP;
+    # a wildcard binds all interfaces and advertises the node IP) and the internal token its
+    # gRPC services and KV handshakes require (None = no check). Never printed.
+    worker_host: str | None = None
+    internal_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

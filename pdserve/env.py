@@ -5,6 +5,11 @@ Variables (all optional):
 - ``PDSERVE_API_KEY``: Bearer key the gateways require when ``--api-key`` is not given.
 - ``PDSERVE_LOG_LEVEL``: log level name for ``pdserve`` processes (default ``INFO``).
 - ``PDSERVE_RAY_ADDRESS``: Ray cluster to join when ``--ray-address`` is not given.
+- ``PDSERVE_INTERNAL_TOKEN``: shared secret of worker gRPC calls and KV handshakes when
+  ``--internal-token`` is not given (pdserve/auth.py).
+- ``GLOO_SOCKET_IFNAME`` (gloo's own): the network interface KV pair channels use on CPU.
+- ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` (Ray's own token authentication):
+  read to tell whether a process joining a cluster can present a token (router/cluster/ray_join.py).
 - ``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels on CPU tensors through Triton's
   interpreter; :func:`triton_interpret` lets the ``triton`` attention backend run on CPU then.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
@@ -18,10 +23,16 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 API_KEY = "PDSERVE_API_KEY"
 LOG_LEVEL = "PDSERVE_LOG_LEVEL"
 RAY_ADDRESS = "PDSERVE_RAY_ADDRESS"
+INTERNAL_TOKEN = "PDSERVE_INTERNAL_TOKEN"
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 
@@ -40,6 +51,43 @@ def api_key() -> str | None:
 def ray_address() -> str | None:
     """``PDSERVE_RAY_ADDRESS`` or None."""
     return _get(RAY_ADDRESS)
+
+
+def internal_token() -> str | None:
+    """``PDSERVE_INTERNAL_TOKEN`` or None."""
+    return _get(INTERNAL_TOKEN)
+
+
+def gloo_socket_ifname() -> str | None:
+    """``GLOO_SOCKET_IFNAME`` (first name of a comma-separated list) or None."""
+    value = _get(GLOO_SOCKET_IFNAME)
+    if value is None:
+        return None
+    return value.split(",")[0].strip() or None
+
+
+def ray_auth_mode() -> str | None:
+    """``RAY_AUTH_MODE`` lower-cased ('token', 'disabled', ...) or None when unset."""
+    value = _get(RAY_AUTH_MODE)
+    return value.lower() if value else None
+
+
+def ray_auth_token_available() -> bool:
+    """Whether Ray would find a token for this process: ``RAY_AUTH_TOKEN``, a readable
+    ``RAY_AUTH_TOKEN_PATH``, or Ray's default file ``~/.ray/auth_token`` (Ray's order)."""
+    if _get(RAY_AUTH_TOKEN):
+        return True
+    path = _get(RAY_AUTH_TOKEN_PATH)
+    candidate = Path(path) if path else Path.home() / ".ray" / "auth_token"
+    try:
+        return bool(candidate.read_text().strip())
+    except OSError:
+        return False
+
+
+def enable_ray_token_auth() -> None:
+    """Set ``RAY_AUTH_MODE=token`` for this process and its children (call before ray.init)."""
+    os.environ[RAY_AUTH_MODE] = "token"
 
 
 def triton_interpret() -> bool:

@@ -12,6 +12,7 @@ class WorkerInfo:
     ``role``: 'prefill' | 'decode'. ``grpc_address``: 'host:port' of its gRPC service.
     ``kv_endpoint``: 'host:port' of its KV receiver (decode) or '' (prefill).
     ``num_blocks``/``block_size``: its KV pool geometry (blocks, tokens per block).
+    ``node_address``: the IP of the node it runs on (what both addresses advertise).
     """
 
     worker_id: str
@@ -21,3 +22,4 @@ class WorkerInfo:
     num_blocks: int = 0
     block_size: int = 16
     pid: int = 0
+    node_address: str = ""

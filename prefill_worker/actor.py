@@ -21,7 +21,9 @@ import os
 import grpc
 import torch
 
+from pdserve.auth import internal_token_check
 from pdserve.config import EngineConfig
+from pdserve.net import engine_config_for, worker_address
 from pdserve.worker_info import WorkerInfo
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.service import serve
@@ -51,20 +53,30 @@ class PrefillActor:
         self._server: grpc.aio.Server | None = None
         self._info: WorkerInfo | None = None
 
-    async def start(self, host: str = "127.0.0.1") -> WorkerInfo:
-        """Build the engine and serve gRPC on a free port of ``host``. Idempotent.
+    async def start(self, host: str | None = None) -> WorkerInfo:
+        """Build the engine and serve gRPC on a free port. Idempotent.
 
-        Raises ConfigError (bad model/config) or RuntimeError (port cannot be bound).
+        ``host``: bind address (default ``config.worker_host``, else this node's IP; see
+        pdserve/net.py); the node IP is advertised for a wildcard. Raises ConfigError (bad
+        model/config) or RuntimeError (port cannot be bound).
         """
         if self._info is not None:
             return self._info
-        engine = PrefillEngine.build(self.config)
+        where = worker_address(host or self.config.worker_host)  # multi-node: bind/advertise
+        config = engine_config_for(self.config, where)
+        engine = PrefillEngine.build(config)
         try:
-            server, address = await serve(engine, self.worker_id, host=host)
+            server, bound = await serve(
+                engine,
+                self.worker_id,
+                host=where.bind,
+                interceptors=internal_token_check(config.internal_token),
+            )
         except BaseException:
             engine.shutdown()
             raise
         self.engine, self._server = engine, server
+        address = where.endpoint(int(bound.rpartition(":")[2]))
         self._info = WorkerInfo(
             worker_id=self.worker_id,
             role="prefill",
@@ -73,6 +85,7 @@ class PrefillActor:
             num_blocks=engine.kv.num_blocks,
             block_size=engine.kv.block_size,
             pid=os.getpid(),
+            node_address=where.advertise,
         )
         log.info(
             "prefill worker %s serving on %s (%d KV blocks, %d torch threads)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -144,14 +145,18 @@ def add_to_server(engine: PrefillEngine, server: grpc.aio.Server, worker_id: str
 
 
 async def serve(
-    engine: PrefillEngine, worker_id: str, host: str = "127.0.0.1", port: int = 0
+    engine: PrefillEngine,
+    worker_id: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, str]:
     """Start a grpc.aio server with the PrefillService on ``host:port`` (0 = a free port).
 
-    Starts the engine's step loop too. Returns (server, "host:port"). Raises RuntimeError when
-    the port cannot be bound.
+    ``interceptors``: e.g. the internal-token check (pdserve/auth.py). Starts the engine's step
+    loop too. Returns (server, "host:port"). Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=list(interceptors))
     add_to_server(engine, server, worker_id)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

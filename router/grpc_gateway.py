@@ -12,6 +12,10 @@ Wire defaults differ from the HTTP API where proto3 forces them: ``temperature``
 
 Health: the empty service name and ``pdserve.v1.Generation`` report SERVING while at least one
 decode worker is up, NOT_SERVING otherwise.
+
+With an API key, ``pdserve.v1.Generation`` calls need ``authorization: Bearer KEY`` metadata
+(UNAUTHENTICATED otherwise, checked in constant time by pdserve/auth.py); health and reflection
+stay open, like ``/health`` on the HTTP API.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import metrics, rpc
+from pdserve.auth import api_key_check
 from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.v1 import common_pb2 as cpb
@@ -150,20 +155,26 @@ class GenerationService(gpb_grpc.GenerationServicer):
 class GrpcGateway:
     """The gRPC server: Generation, health and reflection on ``host:port``.
 
-    ``port`` 0 picks a free port (see ``port`` after ``start``).
+    ``port`` 0 picks a free port (see ``port`` after ``start``). ``api_key``: required on
+    Generation calls (None = open).
     """
 
     def __init__(
-        self, router: Router, host: str = ServeConfig.host, port: int = ServeConfig.grpc_port
+        self,
+        router: Router,
+        host: str = ServeConfig.host,
+        port: int = ServeConfig.grpc_port,
+        api_key: str | None = None,
     ) -> None:
         self.router = router
         self.host = host
         self.port = port
         self.server = grpc.aio.server(
+            interceptors=api_key_check(api_key, lambda m: m.startswith(f"/{SERVICE_NAME}/")),
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ]
+            ],
         )
         self.health = health_aio.HealthServicer()
         gpb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)

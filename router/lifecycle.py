@@ -40,6 +40,18 @@ from router.request_state import RequestState as S
 log = logging.getLogger(__name__)
 
 
+def _raise_if_unauthenticated(worker: WorkerState, code: grpc.StatusCode) -> None:
+    """A worker refusing the router's internal token is a deployment error, not a busy or dead
+    worker: fail the request at once (500) instead of retrying every worker forever."""
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        log.error(
+            "worker %s refused this router's internal token: start the router and the workers "
+            "with the same --internal-token / PDSERVE_INTERNAL_TOKEN",
+            worker.worker_id,
+        )
+        raise WorkerFailure(f"worker {worker.worker_id} refused the router's credentials")
+
+
 # seconds a KV reservation outlives the Prefill call's own timeout (transfer + ack time)
 _KV_MARGIN_S = 30.0
 
@@ -320,6 +332,7 @@ class RequestLifecycle:
 
     def _refused(self, worker: WorkerState, code: grpc.StatusCode, details: str) -> None:
         """A decode worker refused a reservation: bad request raises, anything else moves on."""
+        _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by decode worker: {details}")
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -404,6 +417,7 @@ class RequestLifecycle:
             self._prefill_holder = None
         self._drop_attempt(abort=True)
         self.trace.prefill_failed(worker.worker_id, code.name, details)
+        _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in WORKER_DOWN:

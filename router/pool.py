@@ -56,15 +56,24 @@ class WorkerState:
 
 
 class WorkerPool:
-    """Workers by id and role. ``stats_interval_s`` > 0 seconds; ``unhealthy_after`` >= 1."""
+    """Workers by id and role. ``stats_interval_s`` > 0 seconds; ``unhealthy_after`` >= 1.
 
-    def __init__(self, stats_interval_s: float = 0.5, unhealthy_after: int = 2) -> None:
+    ``internal_token``: what every worker call presents (pdserve/auth.py); None = none.
+    """
+
+    def __init__(
+        self,
+        stats_interval_s: float = 0.5,
+        unhealthy_after: int = 2,
+        internal_token: str | None = None,
+    ) -> None:
         if stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be > 0, got {stats_interval_s}")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after}")
         self.stats_interval_s = stats_interval_s
         self.unhealthy_after = unhealthy_after
+        self.internal_token = internal_token
         self._workers: dict[str, WorkerState] = {}
         self._changed = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
@@ -79,7 +88,7 @@ class WorkerPool:
             return old
         if old is not None:
             self._retired.append(old.client)
-        state = WorkerState(client=WorkerClient(info))
+        state = WorkerState(client=WorkerClient(info, self.internal_token))
         self._workers[info.worker_id] = state
         log.info("worker %s (%s) at %s registered", info.worker_id, info.role, info.grpc_address)
         self._notify()

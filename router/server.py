@@ -71,7 +71,9 @@ class Frontend:
         self.router = router
         self.config = config
         self.app = build_app(router, api_key=config.api_key, control=control)
-        self.grpc = GrpcGateway(router, host=config.host, port=config.grpc_port)
+        self.grpc = GrpcGateway(
+            router, host=config.host, port=config.grpc_port, api_key=config.api_key
+        )
         self.stopping = asyncio.Event()
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None

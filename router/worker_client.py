@@ -10,6 +10,7 @@ import logging
 
 import grpc
 
+from pdserve.auth import internal_token_metadata
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.worker_info import WorkerInfo
@@ -31,13 +32,20 @@ ROLES = ("prefill", "decode")
 
 
 class WorkerClient:
-    """A channel and stub for ``info.grpc_address``. Raises ValueError for an unknown role."""
+    """A channel and stub for ``info.grpc_address``. Raises ValueError for an unknown role.
 
-    def __init__(self, info: WorkerInfo) -> None:
+    ``internal_token``: presented on every call (pdserve/auth.py); None = none.
+    """
+
+    def __init__(self, info: WorkerInfo, internal_token: str | None = None) -> None:
         if info.role not in ROLES:
             raise ValueError(f"worker {info.worker_id}: role {info.role!r} is not one of {ROLES}")
         self.info = info
-        self._channel = grpc.aio.insecure_channel(info.grpc_address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            info.grpc_address,
+            options=_CHANNEL_OPTIONS,
+            interceptors=internal_token_metadata(internal_token),
+        )
         self._prefill = pb_grpc.PrefillServiceStub(self._channel)
         self._decode = pb_grpc.DecodeServiceStub(self._channel)
 

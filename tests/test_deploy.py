@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client import REGISTRY
@@ -203,42 +204,94 @@ def test_rules_cover_the_required_alerts() -> None:
 # -- manifests match the CLI --------------------------------------------------------------------
 
 
-def test_head_runs_pdserve_serve_joining_the_local_ray_head() -> None:
+def _groups(cluster: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+
+
+def _group_resources(group: dict[str, Any]) -> dict[str, float]:
+    """A worker group's custom resources: KubeRay passes rayStartParams.resources to
+    `ray start --resources`, JSON inside a quoted string."""
+    raw = group["rayStartParams"]["resources"]
+    return {k: float(v) for k, v in json.loads(json.loads(raw)).items()}
+
+
+def _serve_args() -> Any:
+    cluster = by_kind(load_docs(RAYCLUSTER), "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    argv = pdserve_command(" ".join(head["args"]), "serve")
+    return build_parser(argv).parse_args(argv)
+
+
+def test_head_is_the_router_only_and_serves_across_the_cluster() -> None:
     cluster = by_kind(load_docs(RAYCLUSTER), "RayCluster")
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     shell = " ".join(head["args"])
     assert "ray start --head" in shell
-    argv = pdserve_command(shell, "serve")
-    args = build_parser(argv).parse_args(argv)
+    assert re.search(r"--num-cpus=0(\s|$)", shell), "the head must offer no CPUs to workers"
+    args = _serve_args()
     assert args.ray_address == "auto"
     assert (args.host, args.port, args.grpc_port) == ("0.0.0.0", 8000, 50051)
-    # The head's Ray CPUs must hold every worker actor (they are placed on the head today).
-    match = re.search(r"--num-cpus=(\d+(?:\.\d+)?)", shell)
-    assert match, "the head's `ray start` must set --num-cpus"
-    ray_cpus = float(match.group(1))
-    workers = args.num_prefill_workers + args.num_decode_workers
-    assert ray_cpus >= workers * args.cpus_per_worker
+    assert args.cpus_per_worker
+    assert args.prefill_resources == {"pdserve_prefill": 1.0}
+    assert args.decode_resources == {"pdserve_decode": 1.0}
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert ports["http"] == 8000 and ports["grpc"] == 50051
     assert head["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "livenessProbe" in head
     assert head["resources"]["requests"]["cpu"] and head["resources"]["requests"]["memory"]
+    assert "127.0.0.1" not in RAYCLUSTER.read_text()  # workers advertise their pod IPs
 
 
-def test_worker_group_and_router_deployment() -> None:
+def test_one_worker_group_per_role_with_its_resource_and_room_for_its_workers() -> None:
+    cluster = by_kind(load_docs(RAYCLUSTER), "RayCluster")
+    groups = _groups(cluster)
+    assert set(groups) == {"prefill", "decode"}
+    args = _serve_args()
+    wanted = {
+        "prefill": (args.prefill_resources, args.num_prefill_workers),
+        "decode": (args.decode_resources, args.num_decode_workers),
+    }
+    text = RAYCLUSTER.read_text()
+    for role, group in groups.items():
+        resources, workers = wanted[role]
+        assert group["replicas"] > 0 and group["minReplicas"] <= group["replicas"]
+        assert group["replicas"] <= group["maxReplicas"]
+        have = _group_resources(group)
+        assert have == resources, (role, have)
+        # replicas x (resource per pod / per worker) >= the role's workers
+        per_pod = min(have[k] / v for k, v in resources.items())
+        assert group["replicas"] * per_pod >= workers, role
+        assert float(group["rayStartParams"]["num-cpus"]) >= args.cpus_per_worker
+        pod = group["template"]["spec"]
+        worker = pod["containers"][0]
+        assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(worker["args"])
+        limits = worker["resources"]["limits"]
+        assert float(limits["cpu"]) >= args.cpus_per_worker
+        env = {e["name"]: e for e in worker["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token" and "RAY_AUTH_TOKEN" in env
+        # node placement is shown as commented examples (valid once uncommented)
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+        for key in ("# nodeSelector:", "# tolerations:"):
+            assert key in text
+
+
+def test_routers_carry_the_internal_token_and_join_with_rays_token() -> None:
     docs = load_docs(RAYCLUSTER)
     cluster = by_kind(docs, "RayCluster")
-    (group,) = cluster["spec"]["workerGroupSpecs"]
-    worker = group["template"]["spec"]["containers"][0]
-    assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(worker["args"])
-    assert worker["resources"]["requests"]["cpu"] and worker["resources"]["requests"]["memory"]
-
-    router = by_kind(docs, "Deployment")["spec"]["template"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    deployment = by_kind(docs, "Deployment")
+    router = deployment["spec"]["template"]
     container = router["spec"]["containers"][0]
+    for c in (head, container):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        for name in ("RAY_AUTH_TOKEN", "PDSERVE_INTERNAL_TOKEN"):
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-secrets", name
+    assert deployment["spec"]["replicas"] > 0
     shell = " ".join(container["args"])
     head_svc = f"{cluster['metadata']['name']}-head-svc:6379"
-    assert f"ray start --address={head_svc}" in shell
+    assert f"ray start --address={head_svc}" in shell and "--num-cpus=0" in shell
     argv = pdserve_command(shell, "router")
     args = build_parser(argv).parse_args(argv)
     assert args.ray_address == "auto"
@@ -258,6 +311,51 @@ def test_worker_group_and_router_deployment() -> None:
     )
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
+
+
+# -- schemas ------------------------------------------------------------------------------------
+
+K8S_VERSION = "1.30"
+
+
+def test_core_kinds_validate_against_the_kubernetes_schema() -> None:
+    docs = [d for d in load_docs(RAYCLUSTER) if d["apiVersion"] in ("v1", "apps/v1")]
+    assert {d["kind"] for d in docs} == {"Service", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_raycluster_has_the_crd_required_fields_and_valid_pod_templates() -> None:
+    """KubeRay v1 RayCluster: spec.headGroupSpec.template required; each workerGroupSpecs entry
+    needs groupName and template (and maxReplicas >= minReplicas); the pod templates are
+    Kubernetes PodTemplateSpecs, validated here as Pods against the core schema."""
+    cluster = by_kind(load_docs(RAYCLUSTER), "RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    spec = cluster["spec"]
+    templates = [spec["headGroupSpec"]["template"]]
+    assert isinstance(spec["headGroupSpec"].get("rayStartParams", {}), dict)
+    for group in spec["workerGroupSpecs"]:
+        for field in ("groupName", "template"):
+            assert field in group, field
+        assert group["minReplicas"] <= group["maxReplicas"]
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        templates.append(group["template"])
+    for template in templates:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "pdserve-check", **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_schema_validation_catches_a_broken_manifest() -> None:
+    """Guards the two tests above: a misspelt field fails validation."""
+    (service,) = [d for d in load_docs(RAYCLUSTER) if d["kind"] == "Service"]
+    service["spec"]["portz"] = service["spec"].pop("ports")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, K8S_VERSION, strict=True)
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import asyncio
 import sys
 
 from pdserve import env
+from pdserve.commands.multinode_args import add_multinode_args, internal_token
 from pdserve.commands.progress import say
 from pdserve.commands.serve import resolve_max_model_len, setup_logging
 from pdserve.commands.serve_flags import HelpFormatter, add_frontend_args, add_model_args
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     add_frontend_args(p)
+    add_multinode_args(p, launches_workers=False)
     p.set_defaults(func=run)
 
 
@@ -58,7 +60,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     model = load_model_config(LoadConfig(model=args.model))
     max_model_len = resolve_max_model_len(args.max_model_len, model)
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
-    pool = WorkerPool()
+    pool = WorkerPool(internal_token=internal_token(args))
     follower = RegistryFollower(pool, ray_address)
     say(f"joining the cluster at {ray_address}")
     await follower.start()

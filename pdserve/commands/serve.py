@@ -19,10 +19,11 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import env
+from pdserve.commands.multinode_args import add_multinode_args, internal_token
 from pdserve.commands.progress import StartupProgress, say
 from pdserve.commands.serve_flags import (
     HelpFormatter,
@@ -57,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_args(p)
     add_engine_args(p)
     add_frontend_args(p)
+    add_multinode_args(p, launches_workers=True)
     p.set_defaults(func=run)
 
 
@@ -108,6 +110,8 @@ class ServePlan:
     max_model_len: int
     cpus_per_worker: float | None
     log_level: str
+    prefill_resources: dict[str, float] = field(default_factory=dict)  # Ray custom resources
+    decode_resources: dict[str, float] = field(default_factory=dict)
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -148,6 +152,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
             max_model_len=max_model_len,
         ),
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
+        worker_host=args.worker_host,
+        internal_token=internal_token(args),
     )
     unified = args.mode == "unified"
     serve = ServeConfig(
@@ -167,7 +173,14 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     )
     name = args.served_model_name or resolve_model(args.model).name
     return ServePlan(
-        serve, model, name, max_model_len, args.cpus_per_worker, args.log_level or "info"
+        serve,
+        model,
+        name,
+        max_model_len,
+        args.cpus_per_worker,
+        args.log_level or "info",
+        prefill_resources=args.prefill_resources,
+        decode_resources=args.decode_resources,
     )
 
 
@@ -238,7 +251,7 @@ async def serve_async(
         f"{plan.max_model_len}"
     )
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, s.engine.load.model))
-    pool = WorkerPool()
+    pool = WorkerPool(internal_token=s.engine.internal_token)
     num_workers = s.num_decode_workers + s.num_prefill_workers  # prefill is 0 when unified
     progress = StartupProgress(num_workers, "starting Ray and the workers (model load)")
     cluster = RayCluster(
@@ -247,6 +260,8 @@ async def serve_async(
             num_prefill_workers=s.num_prefill_workers,
             num_decode_workers=s.num_decode_workers,
             cpus_per_worker=plan.cpus_per_worker,
+            prefill_resources=plan.prefill_resources,
+            decode_resources=plan.decode_resources,
         ),
         pool,
         ray_address=s.ray_address,

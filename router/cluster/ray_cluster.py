@@ -3,8 +3,9 @@
 Workers are Ray actors (the classes the caller passes: ``prefill_worker.actor.PrefillActor`` and
 ``decode_worker.actor.DecodeActor`` for ``pdserve serve``, fakes in tests) in the namespace
 ``pdserve``, each serving gRPC on its own port; the router reaches them only over gRPC, through
-the :class:`router.pool.WorkerPool` this module keeps up to date. Startup, health and scaling
-rules: docs/cluster.md.
+the :class:`router.pool.WorkerPool` this module keeps up to date. Startup, health, scaling and
+multi-node rules (node addresses, role placement by custom resources, node failure, joining
+with Ray token authentication through :mod:`router.cluster.ray_join`): docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pdserve.config import EngineConfig
 from pdserve.worker_info import WorkerInfo
+from router.cluster.ray_join import join, join_hint
 from router.cluster.registry import NAMESPACE, live_registry
 from router.errors import Conflict, InsufficientResources
 from router.pool import WorkerPool
@@ -39,6 +41,8 @@ class ClusterSpec:
     """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (at least 0.5).
 
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
+    ``prefill_resources``/``decode_resources``: Ray custom resources each worker of that role
+    requires (e.g. ``{"pdserve_prefill": 1}``), so roles land on the nodes that advertise them.
     Times in seconds.
     """
 
@@ -53,6 +57,8 @@ class ClusterSpec:
     start_timeout_s: float = 900.0
     replace_after_s: float = 120.0
     drain_s: float = 5.0
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_decode_workers < 1:
@@ -61,6 +67,17 @@ class ClusterSpec:
             raise ValueError("--num-prefill-workers must be >= 0")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
+        for role, res in (("prefill", self.prefill_resources), ("decode", self.decode_resources)):
+            for name, amount in res.items():
+                if name in ("CPU", "GPU", "memory") or not amount > 0:
+                    raise ValueError(
+                        f"--{role}-resources: {name}={amount} must be a custom resource > 0 "
+                        "(CPUs and GPUs have their own flags)"
+                    )
+
+    def resources(self, role: str) -> dict[str, float]:
+        """The custom resources one worker of ``role`` requires."""
+        return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
 
 def local_resources(spec: ClusterSpec) -> tuple[float, int]:
@@ -135,6 +152,7 @@ class RayCluster:
         self._cpus, self._ray_cpus = local_resources(spec)
         self._gpus = 0.0  # set once Ray is up (init_ray)
         self._lock = asyncio.Lock()
+        self._replacements: set[asyncio.Task[None]] = set()
 
     @property
     def gcs_address(self) -> str:
@@ -160,14 +178,12 @@ class RayCluster:
         if not ray.is_initialized():
             t0 = time.monotonic()
             if self.ray_address:
-                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=True)
+                join(self.ray_address, NAMESPACE, log_to_driver=True)
             else:
                 self._init_local_ray()
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
-            self._progress(
-                f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
-                f"(more routers: pdserve router --ray-address {self.gcs_address})"
-            )
+            self._progress(f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s")
+            self._progress(join_hint(self.gcs_address))
         self._gpus = gpus_per_worker(self.spec)
 
     def _init_local_ray(self, attempts: int = 2) -> None:
@@ -205,6 +221,10 @@ class RayCluster:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
+        for task in list(self._replacements):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         for a in list(self._actors.values()):
             await self._kill(a, graceful=True)
         self._actors.clear()
@@ -229,6 +249,7 @@ class RayCluster:
             namespace=NAMESPACE,
             num_cpus=self._cpus,
             num_gpus=self._gpus,
+            resources=self.spec.resources(role),
             max_restarts=self.spec.max_restarts,
             max_task_retries=0,
         ).remote(worker_id, self.spec.engine, **kwargs)
@@ -251,7 +272,7 @@ class RayCluster:
         self.pool.upsert(info)
         await self._registry.put.remote(info)
         self._progress(
-            f"{actor.worker_id} ready at {info.grpc_address} "
+            f"{actor.worker_id} ready at {info.grpc_address} on node {info.node_address or '?'} "
             f"({info.num_blocks} KV blocks of {info.block_size} tokens) "
             f"in {time.monotonic() - t0:.1f} s"
         )
@@ -301,23 +322,28 @@ class RayCluster:
         async with self._lock:
             live = self.workers(role)
             if count > len(live):
-                self._check_room(count - len(live))
+                self._check_room(role, count - len(live))
                 self._progress(f"scaling {role} workers {len(live)} -> {count}")
                 await self._launch(role, count - len(live))
             for worker_id in reversed(live[count:]):
                 self._progress(f"retiring {worker_id}")
                 await self._retire(self._actors[worker_id])
 
-    def _check_room(self, num_workers: int) -> None:
-        """Raise InsufficientResources unless Ray has free CPUs/GPUs for ``num_workers`` more."""
+    def _check_room(self, role: str, num_workers: int) -> None:
+        """Raise InsufficientResources unless Ray has free CPUs/GPUs and ``role``'s custom
+        resources for ``num_workers`` more workers (totals over the cluster, so a worker may
+        still wait when the free amounts are split over nodes)."""
         free = ray.available_resources()
         need = {"CPU": self._cpus * num_workers, "GPU": self._gpus * num_workers}
+        for name, amount in self.spec.resources(role).items():
+            need[name] = need.get(name, 0.0) + amount * num_workers
         for name, amount in need.items():
             have = float(free.get(name, 0.0))
             if amount > 0 and have + 1e-9 < amount:
                 raise InsufficientResources(
-                    f"not enough free {name} in the Ray cluster for {num_workers} more worker(s): "
-                    f"need {amount:g}, {have:g} free; add nodes or scale another role down first"
+                    f"not enough free {name} in the Ray cluster for {num_workers} more {role} "
+                    f"worker(s): need {amount:g}, {have:g} free; add nodes or scale another role "
+                    "down first"
                 )
 
     async def _retire(self, actor: _Actor) -> None:
@@ -332,19 +358,52 @@ class RayCluster:
 
         asyncio.get_running_loop().create_task(drain_then_kill())
 
+    async def _replace(self, role: str) -> None:
+        """Launch one ``role`` worker once the cluster has room for it (a lost node's workers
+        come back when a node with the role's resources joins); checks every health interval."""
+        waiting = False
+        while True:
+            try:
+                self._check_room(role, 1)
+            except InsufficientResources as e:
+                if not waiting:
+                    self._progress(f"replacement {role} worker waits for room: {e}")
+                    waiting = True
+                await asyncio.sleep(self.spec.health_interval_s)
+                continue
+            try:
+                await self._launch(role, 1)
+            except RuntimeError as e:  # its actor stays tracked: the monitor handles it
+                log.error("replacement %s worker failed to start: %s", role, e)
+            return
+
     def describe(self) -> list[dict[str, Any]]:
-        """One dict per actor: id, role, address, health and restart count (for /admin)."""
+        """One dict per actor: id, role, node address, addresses, state, health and restart
+        count (for /admin). ``state``: starting | ready | unhealthy | down | retiring."""
         out = []
         for a in self._actors.values():
             state = self.pool.get(a.worker_id)
+            healthy = bool(state and state.healthy)
+            if a.retiring:
+                status = "retiring"
+            elif a.info is None:
+                status = "starting"
+            elif a.down_since is not None or state is None:
+                status = "down"
+            else:
+                status = "ready" if healthy else "unhealthy"
             out.append(
                 {
                     "worker_id": a.worker_id,
                     "role": a.role,
+                    "node_address": a.info.node_address if a.info else None,
                     "grpc_address": a.info.grpc_address if a.info else None,
                     "kv_endpoint": a.info.kv_endpoint if a.info else None,
                     "num_blocks": a.info.num_blocks if a.info else None,
-                    "healthy": bool(state and state.healthy),
+                    "pid": a.info.pid if a.info else None,
+                    "resources": self.spec.resources(a.role),
+                    "state": status,
+                    "healthy": healthy,
                     "retiring": a.retiring,
                     "restarts": a.restarts,
                 }
@@ -392,14 +451,18 @@ class RayCluster:
                 log.error("worker %s is gone; launching a replacement", actor.worker_id)
                 self._actors.pop(actor.worker_id, None)
                 await self._kill(actor, graceful=False)
-                await self._launch(actor.role, 1)
+                # In the background: placement may wait for a node, and the monitor must go on
+                # checking the other workers meanwhile.
+                task = asyncio.get_running_loop().create_task(self._replace(actor.role))
+                self._replacements.add(task)
+                task.add_done_callback(self._replacements.discard)
             return
         state = self.pool.get(actor.worker_id)
         if state is not None and state.healthy:
             return
         # The process answers Ray but not (or no longer) gRPC at the registered address:
         # a restarted actor, which must be started again.
-        if actor.info is not None and await _serving(actor.info):
+        if actor.info is not None and await _serving(actor.info, self.pool.internal_token):
             return
         if actor.retiring:  # retired while we looked: its server is being stopped on purpose
             return
@@ -411,9 +474,9 @@ class RayCluster:
             log.error("%s", e)
 
 
-async def _serving(info: WorkerInfo) -> bool:
+async def _serving(info: WorkerInfo, internal_token: str | None) -> bool:
     """Whether ``info.grpc_address`` answers GetStats (a fresh channel, 3 s)."""
-    client = WorkerClient(info)
+    client = WorkerClient(info, internal_token)
     try:
         await client.get_stats(timeout_s=3.0)
         return True

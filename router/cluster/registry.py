@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from pdserve.worker_info import WorkerInfo
+from router.cluster.ray_join import join
 from router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ class RegistryFollower:
     async def start(self, wait_for_workers_s: float = 60.0) -> None:
         """Join Ray, find the registry, load the workers. Raises RuntimeError if none appear."""
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            join(
+                self.ray_address, NAMESPACE, log_to_driver=False
+            )  # Ray token auth, one-line errors
         try:
             self._registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
         except ValueError:

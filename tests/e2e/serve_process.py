@@ -24,13 +24,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
+    """Send ``sig`` to ``proc`` (started with its own session) and wait; SIGKILL its process
+    group if it does not exit within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 class ServeProcess:
     """`pdserve serve ARGS` on free HTTP and gRPC ports; ``stop()`` sends SIGINT, then kills.
 
-    ``env``: extra environment variables for the child (e.g. PDSERVE_API_KEY).
+    ``env``: extra environment variables for the child (e.g. PDSERVE_API_KEY). ``command``:
+    'router' runs `pdserve router ARGS` instead (no engine flags).
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, command: str = "serve"
+    ) -> None:
         self.port = free_port()
         self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -40,9 +55,9 @@ class ServeProcess:
             "w+", prefix="pdserve-e2e-", suffix=".log", delete=False
         )
         cmd = [
-            sys.executable, "-m", "pdserve.cli", "serve",
+            sys.executable, "-m", "pdserve.cli", command,
             "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-            *SMALL, *args,
+            *(SMALL if command == "serve" else SMALL[2:]), *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,
@@ -76,13 +91,7 @@ class ServeProcess:
     def stop(self, timeout_s: float = 60.0, sig: int = signal.SIGINT) -> int:
         """``sig`` (Ctrl-C by default), wait for a clean exit; SIGKILL the process group if it
         hangs. The server's log stays readable as ``last_output``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout_s)
         self.last_output = self.output()
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)

@@ -127,9 +127,14 @@ def test_grpc_streams_the_same_tokens_and_reports_serving(
             req = gpb.GenerateRequest(
                 text=PROMPTS[0], sampling=cpb.SamplingParams(max_tokens=12, temperature=0)
             )
+            stub = gpb_grpc.GenerationStub(ch)
+            # The server has an API key: the gRPC API refuses a call without it (issue 11).
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                _ = [r async for r in stub.Generate(req)]
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             ids: list[int] = []
             text = ""
-            async for r in gpb_grpc.GenerationStub(ch).Generate(req):
+            async for r in stub.Generate(req, metadata=(("authorization", f"Bearer {KEY}"),)):
                 if r.WhichOneof("response") == "chunk":
                     ids += [t.token_id for t in r.chunk.tokens]
                 elif r.WhichOneof("response") == "complete":

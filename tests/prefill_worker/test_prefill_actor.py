@@ -12,6 +12,7 @@ import torch
 from prefill_tiny import TINY, tiny_config
 
 from pdserve.config import LoadConfig
+from pdserve.net import node_address
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from prefill_worker.actor import PrefillActor, threads_for
@@ -45,7 +46,9 @@ async def test_actor_start_ping_stop(tmp_path: Path) -> None:
         info = await actor.start()
         assert info.role == "prefill" and info.worker_id == "prefill-7"
         assert info.num_blocks == 40 and info.block_size == 16 and info.pid > 0
-        assert info.grpc_address.startswith("127.0.0.1:")
+        # outside Ray: the routed address of this machine, bound and advertised as is
+        assert info.node_address == node_address()
+        assert info.grpc_address.startswith(f"{info.node_address}:")
         assert await actor.start() == info  # idempotent
         assert await actor.ping()
         async with grpc.aio.insecure_channel(info.grpc_address) as ch:

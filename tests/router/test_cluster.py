@@ -162,3 +162,41 @@ async def test_worker_out_of_restarts_is_replaced_at_once(local_ray: str) -> Non
     finally:
         await cluster.stop()
         await pool.close()
+
+
+def test_role_resources_are_validated() -> None:
+    with pytest.raises(ValueError, match="--prefill-resources: CPU"):
+        ClusterSpec(engine=EngineConfig(), prefill_resources={"CPU": 1.0})
+    with pytest.raises(ValueError, match="--decode-resources: pdserve_decode=0"):
+        ClusterSpec(engine=EngineConfig(), decode_resources={"pdserve_decode": 0.0})
+    s = ClusterSpec(engine=EngineConfig(), decode_resources={"pdserve_decode": 1.0})
+    assert s.resources("decode") == {"pdserve_decode": 1.0} and s.resources("prefill") == {}
+
+
+async def test_scaling_a_role_whose_resource_no_node_offers_is_refused(local_ray: str) -> None:
+    """Placement by custom resource: no node advertises pdserve_prefill, so scaling prefill up
+    fails at once (503) naming the resource, instead of waiting forever for placement; the
+    decode role, without resources, starts and /admin/workers shows its node and state."""
+    from router.errors import InsufficientResources
+
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": FakeWorkerActor, "decode": FakeWorkerActor}
+    s = ClusterSpec(
+        engine=EngineConfig(),
+        num_prefill_workers=0,
+        num_decode_workers=1,
+        cpus_per_worker=0.25,
+        health_interval_s=0.3,
+        prefill_resources={"pdserve_prefill": 1.0},
+    )
+    cluster = RayCluster(s, pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    try:
+        with pytest.raises(InsufficientResources, match="free pdserve_prefill .*need 1, 0 free"):
+            await cluster.scale("prefill", 1)
+        assert cluster.workers("prefill") == []
+        (row,) = cluster.describe()
+        assert row["role"] == "decode" and row["state"] in ("ready", "unhealthy")
+        assert row["resources"] == {} and "node_address" in row
+    finally:
+        await cluster.stop()

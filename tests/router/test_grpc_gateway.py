@@ -158,6 +158,36 @@ async def test_grpc_errors_are_counted(tokenizer: Tokenizer) -> None:
         assert errors._value.get() == before + 1
 
 
+async def test_api_key_is_required_on_generation_but_not_on_health(tokenizer: Tokenizer) -> None:
+    script = tokenizer.encode(ANSWER, add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    router = Router(RouterConfig(model_name="smollm2", max_model_len=128), tokenizer, c.pool)
+    gw = GrpcGateway(router, host="127.0.0.1", port=0, api_key="k-123")
+    await gw.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            stub = gpb_grpc.GenerationStub(channel)
+            req = gpb.GenerateRequest(text="Capital?", sampling=cpb.SamplingParams(max_tokens=4))
+            for metadata in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [r async for r in stub.Generate(req, metadata=metadata)]
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "authorization: Bearer <key>" in (err.value.details() or "")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ListModels(gpb.ListModelsRequest(), metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert not c.decodes[0].requests  # refused before anything was placed
+            good = (("authorization", "Bearer k-123"),)
+            out = [r async for r in stub.Generate(req, metadata=good)]
+            assert out[-1].WhichOneof("response") == "complete"
+            health = health_pb2_grpc.HealthStub(channel)
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await gw.stop(0)
+        await c.close()
+
+
 async def test_prompts_are_tokenized_off_the_event_loop(tokenizer: Tokenizer) -> None:
     from test_prompts import RecordingTokenizer
 
