@@ -28,8 +28,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-from pdserve.engine.offline import OfflineEngine
 from pdserve.model.resolve import resolve_model
 from pdserve.sampling_params import SamplingParams
 

@@ -24,10 +24,11 @@ from decode_worker.request import (
     DecodeRequest,
     FinishedEvent,
     PreemptedEvent,
-    RequestRefused,
     TokensEvent,
 )
 from pdserve import rpc
+from pdserve.engine.actor import serve_grpc
+from pdserve.engine.errors import EngineError
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -93,7 +94,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
         try:
             acc = self.engine.add_request(req, sink)
-        except RequestRefused as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         done = False
         try:
@@ -125,7 +126,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeStats:
-        """Engine counters (see DecodeStatsSnapshot)."""
+        """Engine counters (see DecodeEngineStats)."""
         s = self.engine.stats()
         return pb.DecodeStats(
             worker_id=s.worker_id,
@@ -157,11 +158,4 @@ async def serve(
     Starts the engine's step loop too. Returns (server, "host:port"). Raises RuntimeError when
     the port cannot be bound.
     """
-    server = grpc.aio.server()
-    add_to_server(engine, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the decode gRPC server to {host}:{port}")
-    engine.start()
-    await server.start()
-    return server, f"{host}:{bound}"
+    return await serve_grpc(engine, lambda s: add_to_server(engine, s), host, port)

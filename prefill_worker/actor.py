@@ -1,98 +1,31 @@
 """PrefillActor: the prefill worker as a Ray actor (DESIGN §8).
 
-A plain class with async methods; ``router/cluster.py`` wraps it with ``ray.remote`` (so this
-module does not import Ray and tests can drive it directly). Lifecycle::
-
-    PrefillActor(worker_id, config, num_cpus)   # cheap: no model yet; sets torch threads
-    await start() -> WorkerInfo                 # loads the model, builds the KV sender,
-                                                # starts the step loop, serves gRPC on a free port
-    await ping() -> True                        # liveness (Ray health check)
-    await stop()                                # stops gRPC, fails live requests, closes the sender
-
-torch threads = the actor's CPU share (``num_cpus`` rounded, at least 1), so co-located actors on
-a small machine do not oversubscribe the cores.
+The lifecycle (start, ping, stop), the torch thread count and the off-event-loop model load come
+from :class:`~pdserve.engine.actor.WorkerActor`; this class says how to build and serve a
+:class:`PrefillEngine` (its KV sender is built with it).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import grpc
-import torch
 
-from pdserve.config import EngineConfig
-from pdserve.worker_info import WorkerInfo
+from pdserve.engine.actor import WorkerActor
+from prefill_worker import service
 from prefill_worker.engine import PrefillEngine
-from prefill_worker.service import serve
-
-log = logging.getLogger(__name__)
 
 
-def threads_for(num_cpus: float) -> int:
-    """torch intra-op threads for a CPU share: ``round(num_cpus)``, at least 1."""
-    return max(1, round(num_cpus))
-
-
-class PrefillActor:
+class PrefillActor(WorkerActor[PrefillEngine]):
     """One prefill worker. ``config.load`` names the model; ``config.transfer`` the KV transport.
 
     Raises ValueError when ``num_cpus`` is not positive.
     """
 
-    def __init__(self, worker_id: str, config: EngineConfig, num_cpus: float = 1.0) -> None:
-        if not num_cpus > 0:
-            raise ValueError(f"num_cpus must be > 0, got {num_cpus}")
-        self.worker_id = worker_id
-        self.config = config
-        self.num_cpus = num_cpus
-        torch.set_num_threads(threads_for(num_cpus))
-        self.engine: PrefillEngine | None = None
-        self._server: grpc.aio.Server | None = None
-        self._info: WorkerInfo | None = None
+    role = "prefill"
 
-    async def start(self, host: str = "127.0.0.1") -> WorkerInfo:
-        """Build the engine and serve gRPC on a free port of ``host``. Idempotent.
+    def build_engine(self) -> PrefillEngine:
+        """Load the model and build the KV sender (runs in a worker thread)."""
+        return PrefillEngine.build(self.config, name=self.worker_id)
 
-        Raises ConfigError (bad model/config) or RuntimeError (port cannot be bound).
-        """
-        if self._info is not None:
-            return self._info
-        engine = PrefillEngine.build(self.config)
-        try:
-            server, address = await serve(engine, self.worker_id, host=host)
-        except BaseException:
-            engine.shutdown()
-            raise
-        self.engine, self._server = engine, server
-        self._info = WorkerInfo(
-            worker_id=self.worker_id,
-            role="prefill",
-            grpc_address=address,
-            kv_endpoint="",
-            num_blocks=engine.kv.num_blocks,
-            block_size=engine.kv.block_size,
-            pid=os.getpid(),
-        )
-        log.info(
-            "prefill worker %s serving on %s (%d KV blocks, %d torch threads)",
-            self.worker_id,
-            address,
-            engine.kv.num_blocks,
-            torch.get_num_threads(),
-        )
-        return self._info
-
-    async def ping(self) -> bool:
-        """True while the actor is alive (and, once started, its step loop thread runs)."""
-        return self.engine is None or self.engine.is_running()
-
-    async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving: gRPC first (in-flight RPCs get ``grace_s`` seconds), then the engine."""
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
-        self._info = None
+    async def serve(self, engine: PrefillEngine, host: str) -> tuple[grpc.aio.Server, str]:
+        """Start the step loop and the PrefillService on a free port of ``host``."""
+        return await service.serve(engine, self.worker_id, host=host)

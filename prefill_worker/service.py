@@ -16,17 +16,13 @@ import logging
 import grpc
 
 from pdserve import rpc
+from pdserve.engine.actor import serve_grpc
+from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from prefill_worker.engine import PrefillEngine
-from prefill_worker.request import (
-    INVALID_ARGUMENT,
-    KVTarget,
-    PrefillError,
-    PrefillRequest,
-    PrefillResult,
-)
+from prefill_worker.request import KVTarget, PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +30,17 @@ log = logging.getLogger(__name__)
 def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
     """Wire request -> engine request. ``deadline_unix_ms`` 0 means none.
 
-    Raises PrefillError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
+    Raises EngineError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
     a missing KV target.
     """
     try:
         sampling = rpc.sampling_from_proto(m.sampling)
     except SamplingError as e:
-        raise PrefillError(INVALID_ARGUMENT, str(e)) from None
+        raise EngineError(INVALID_ARGUMENT, str(e)) from None
     if not m.request_id:
-        raise PrefillError(INVALID_ARGUMENT, "'request_id' is empty")
+        raise EngineError(INVALID_ARGUMENT, "'request_id' is empty")
     if not m.HasField("target") or not m.target.kv_endpoint:
-        raise PrefillError(
+        raise EngineError(
             INVALID_ARGUMENT, "'target.kv_endpoint' is required: where to send the KV"
         )
     return PrefillRequest(
@@ -93,7 +89,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         try:
             req = request_from_proto(request)
             fut = self.engine.add_request(req)
-        except PrefillError as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         try:
             result = await asyncio.wrap_future(fut)
@@ -102,7 +98,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             if self.engine.abort(req.request_id):
                 log.info("prefill RPC for %s cancelled; request aborted", req.request_id)
             raise
-        except PrefillError as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         return result_to_proto(result)
 
@@ -148,11 +144,4 @@ async def serve(
     Starts the engine's step loop too. Returns (server, "host:port"). Raises RuntimeError when
     the port cannot be bound.
     """
-    server = grpc.aio.server()
-    add_to_server(engine, server, worker_id)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the prefill gRPC server to {host}:{port}")
-    engine.start()
-    await server.start()
-    return server, f"{host}:{bound}"
+    return await serve_grpc(engine, lambda s: add_to_server(engine, s, worker_id), host, port)
