@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 
 import grpc
 
@@ -127,20 +128,8 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeStats:
         """Engine counters (see DecodeEngineStats)."""
-        s = self.engine.stats()
-        return pb.DecodeStats(
-            worker_id=s.worker_id,
-            num_running=s.num_running,
-            num_waiting_for_kv=s.num_waiting_for_kv,
-            num_waiting=s.num_waiting,
-            kv_blocks_free=s.kv_blocks_free,
-            kv_blocks_total=s.kv_blocks_total,
-            step_time_ms=s.step_time_ms,
-            generation_tokens_per_s=s.generation_tokens_per_s,
-            num_preemptions=s.num_preemptions,
-            num_finished=s.num_finished,
-            kv_endpoint=s.kv_endpoint,
-        )
+        # NOTE: DecodeEngineStats' fields are named as the message's, so a new one fails here
+        return pb.DecodeStats(**asdict(self.engine.stats()))
 
 
 def add_to_server(engine: DecodeEngine, server: grpc.aio.Server) -> DecodeService:

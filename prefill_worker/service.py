@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 
 import grpc
 
@@ -112,21 +113,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillStats:
         """Queue, KV, prefix-cache and throughput counters (see PrefillEngineStats)."""
-        s = self.engine.stats()
-        return pb.PrefillStats(
-            worker_id=self.worker_id,
-            num_waiting=s.num_waiting,
-            num_queued_tokens=s.num_queued_tokens,
-            num_running=s.num_running,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_cached=s.kv_blocks_cached,
-            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            prompt_tokens_per_s=s.prompt_tokens_per_s,
-            num_prefills=s.num_prefills,
-            transfer_bytes=s.transfer_bytes,
-            transfer_failures=s.transfer_failures,
-        )
+        # NOTE: PrefillEngineStats' fields are named as the message's, so a new one fails here
+        return pb.PrefillStats(worker_id=self.worker_id, **asdict(self.engine.stats()))
 
 
 def add_to_server(engine: PrefillEngine, server: grpc.aio.Server, worker_id: str) -> PrefillService:
