@@ -1,39 +1,19 @@
 """Decode-worker scheduling policy: reservations, continuous batching, preemption (no torch).
 
-Lifecycle of one sequence (DESIGN §4)::
+Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core.md)::
 
     add_request ──remote──> WAITING_FOR_KV ──kv_arrived──> WAITING ──admit──> RUNNING ──> finished
                 └─local───────────────────────────────────> WAITING            │
                                                                                └─> preempted
 
-* ``add_request`` reserves blocks for the whole prompt (earlier output tokens included) at once,
-  or refuses with RESOURCE_EXHAUSTED. It leaves ``watermark_blocks`` free for the growth of
-  running sequences (vLLM keeps a similar admission watermark, 1% of the pool by default), so a
-  new reservation does not immediately force a preemption. A remote request then waits for its KV transfer; a local
-  one (unified mode) is ready at once and is prefilled here in chunks. With prefix caching on, a
-  local prompt takes its longest cached prefix first.
-* ``kv_arrived`` stores token 1 (sampled by the prefill worker). If token 1 already ends the
-  request the sequence finishes there; otherwise it waits for a batch slot.
-* ``schedule`` runs at each step boundary: expire deadlines; admit waiting sequences (FIFO) while
-  fewer than ``max_num_seqs`` run; give every decoding sequence one token (oldest first), growing
-  its block table when it crosses a block boundary and, when no block is free, preempting the
-  newest running sequence (possibly itself) the way vLLM's recompute preemption picks its victim;
-  finally hand prefill chunks to running local prefills. While decodes run, prefill tokens per
-  step are capped at one chunk (``long_prefill_token_threshold``, default
-  ``max_num_batched_tokens // 2``), so a long local prefill delays running decodes by at most one
-  chunk per step.
-* ``update_from_output`` applies the runner's sampled tokens and checks the stop conditions
-  (``EngineSeq.append_token``: EOS, stop token ids, ``max_tokens`` counting every output,
-  ``max_model_len``).
+``add_request`` reserves KV for the whole prompt at once, leaving an admission watermark free;
+``schedule`` admits waiting sequences FIFO up to ``max_num_seqs``, gives every decoding sequence
+one token (preempting the newest running sequence when no block is free), then prefill chunks of
+local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
+tokens and applies the stop check. Events and released transfer ids go to an outbox (``drain``).
 
-Events go to an outbox drained with :meth:`DecodeScheduler.drain`, with the transfer ids whose
-reservation was released (for the KV receiver to forget).
-
-NOTE: blocks of a sequence inside the step being computed (between ``schedule`` and ``update_from_output``)
-are never freed mid-step: aborting or expiring such a sequence ends its stream at once but frees
-its blocks in ``update_from_output``, so a block the forward is writing is never handed to another request.
-KV tables are keyed by a per-attempt key, so a request id may be re-used (after preemption) while
-its previous attempt's blocks are still waiting to be released.
+NOTE: blocks of a sequence inside the step being computed are freed only in
+``update_from_output``, so a block the forward is writing is never handed to another request.
 """
 
 from __future__ import annotations
@@ -112,7 +92,8 @@ class DecodeScheduler:
     ``eos_token_ids``: the model's EOS ids. ``default_kv_timeout_s``: seconds a reservation waits
     for its KV when the request names none. ``watermark_blocks``: blocks a new reservation must
     leave free. ``check_sampling``: the sampler's check of a request's sampling values (raises
-    SamplingError). ``clock``: wall time in seconds (``time.time``). Not thread-safe: the engine serialises calls.
+    SamplingError). ``clock``: wall time in seconds (``time.time``). Not thread-safe: the engine
+    serialises calls.
     """
 
     def __init__(
@@ -191,16 +172,6 @@ class DecodeScheduler:
         """The live request's state, or None."""
         seq = self._seqs.get(request_id)
         return None if seq is None else seq.state
-
-    def next_deadline(self) -> float | None:
-        """Earliest deadline (wall seconds) among live requests, or None."""
-        times = [
-            t
-            for s in self._seqs.values()
-            for t in (s.request.deadline, s.kv_deadline)
-            if t is not None
-        ]
-        return min(times, default=None)
 
     # ------------------------------------------------------------------------------- intake
     def validate(self, req: DecodeRequest) -> None:

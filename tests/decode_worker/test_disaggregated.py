@@ -223,3 +223,21 @@ def test_reservation_freed_when_kv_never_arrives(make_pair: PairFactory) -> None
         assert isinstance(ev, ErrorEvent) and ev.code == DEADLINE_EXCEEDED, ev
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
     decode.check_integrity()
+
+
+def test_remote_sequences_waiting_for_a_slot_count_as_waiting(make_pair: PairFactory) -> None:
+    """GetStats' num_waiting (the router's load view) counts sequences whose KV arrived but which
+    wait for a batch slot, not only local prefills."""
+    prefill, decode = make_pair(max_num_seqs=1)
+    col = Collector()
+    router = MiniRouter(prefill, decode, col)
+    futs = [router.place(rid, prompt(i, 9), greedy(8)) for i, rid in enumerate("ab")]
+    prefill.run_until_idle()
+    for fut in futs:
+        fut.result(0)
+    assert decode.stats().num_waiting_for_kv == 2  # KV landed; the notices are not applied yet
+    decode.step()  # applies both arrivals: one runs (max_num_seqs=1), the other waits
+    s = decode.stats()
+    assert (s.num_running, s.num_waiting, s.num_waiting_for_kv) == (1, 1, 0)
+    decode.run_until_idle()
+    assert decode.stats().num_waiting == 0 and decode.num_live == 0

@@ -366,7 +366,6 @@ def test_deadlines_and_kv_timeout() -> None:
     s.add_request(req("kv", 4, kv_timeout_s=2.0), transfer_id=1)
     s.add_request(req("dl", 4, deadline=clock.t + 5), transfer_id=2)
     s.kv_arrived("dl", 2, SampledToken(5))
-    assert s.next_deadline() == clock.t + 2
     clock.t += 2.5
     step(s)
     ev, released = s.drain()
