@@ -32,7 +32,7 @@ lint: setup
 
 proto: setup
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
-		proto/pdserve/v1/generate.proto proto/pdserve/v1/worker.proto
+		proto/pdserve/v1/*.proto
 
 bench: setup
 	$(BIN)/pdserve bench --help

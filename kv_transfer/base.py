@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.types import TransferOutcome, TransferRecord  # noqa: F401 - re-exported
+
 if TYPE_CHECKING:
     from pdserve.kv_cache.pool import KVPool
 
@@ -186,30 +188,6 @@ class TransferState(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class TransferOutcome(str, enum.Enum):
-    """How a transfer ended, as recorded for metrics (matches ``pdserve.v1.TransferRecord``)."""
-
-    OK = "ok"
-    DROPPED = "dropped"  # drained and discarded: the receiver held no reservation for the id
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    """One transfer's record (mirrors ``pdserve.v1.TransferRecord``; crosses the gRPC boundary)."""
-
-    transfer_id: int  # id the decode worker reserved blocks under
-    bytes: int  # payload bytes moved (0 when nothing was sent)
-    ms: float  # wall milliseconds from header send (or receipt) to completion
-    outcome: TransferOutcome  # ok | dropped | failed | timeout
-    path: str = "transferred"  # 'transferred' over a channel | 'local' (unified mode)
-    error: str = ""  # why it failed or was dropped ('' when ok)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ no side effect) before its next transfer, and rebuilt if the ping fails, so a pe
 restarted while the channel sat idle costs a reconnect, not a failed transfer. Likewise a reused
 channel that fails before the header could leave (:class:`StaleChannelError`) is rebuilt and the
 transfer retried once, since the peer cannot have seen it.
+
+CUDA payloads: ``send`` records an event on the caller's stream right after the payload was
+gathered, and the peer's thread runs the transfer on its own CUDA stream that waits only for that
+event. NCCL orders its send after the calling thread's current stream, so on the default stream
+it would also wait for whatever the caller queued next; on the side stream the KV send of one
+request overlaps the next prefill's forward.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -93,6 +100,7 @@ class _Job:
     header: Header  # checksum not yet filled in
     payload: torch.Tensor  # flat uint8
     future: Future[TransferRecord]
+    ready: torch.cuda.Event | None = None  # CUDA payloads: recorded after the gather
 
 
 class QueuedSender(KVSender):
@@ -177,6 +185,10 @@ class QueuedSender(KVSender):
             first_token=token,
             first_logprob=logprob,
         )
+        ready = None
+        if payload.is_cuda:  # the gather (and payload copy) is queued on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record()
         fut: Future[TransferRecord] = Future()
         with self._lock:
             if self._closed:
@@ -184,7 +196,7 @@ class QueuedSender(KVSender):
             peer = self._peers.get(peer_endpoint)
             if peer is None:
                 peer = self._peers[peer_endpoint] = _PeerQueue(self, peer_endpoint)
-            peer.put(_Job(peer_endpoint, header, payload, fut))
+            peer.put(_Job(peer_endpoint, header, payload, fut, ready))
         return fut
 
     def stats(self) -> TransferStats:
@@ -229,6 +241,7 @@ class _PeerQueue:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.channel: PeerChannel | None = None
         self.last_used = 0.0  # time.monotonic() of the channel's last traffic
+        self.stream: torch.cuda.Stream | None = None  # CUDA: this thread's transfer stream
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self.thread.start()
 
@@ -247,7 +260,8 @@ class _PeerQueue:
                 self._fail(job, ChannelClosedError("KV sender closed before sending"))
                 continue
             try:
-                error = self._run_job(job)
+                with self._on_stream(job):
+                    error = self._run_job(job)
             except Exception as e:  # a bug: fail the transfer instead of killing the queue
                 log.exception("KV transfer %d to %s failed", job.header.transfer_id, self.peer)
                 self._teardown(graceful=False)
@@ -256,6 +270,19 @@ class _PeerQueue:
                 stop = self._fail_queued(error)
         self._teardown(graceful=True)
         self._fail_queued(ChannelClosedError(f"KV sender closed; channel to {self.peer} closed"))
+
+    def _on_stream(self, job: _Job) -> AbstractContextManager[object]:
+        """CUDA: run the job on this peer's side stream, after the payload's gather (see the
+        module docstring). CPU: nothing."""
+        if job.ready is None:
+            return nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=job.payload.device)
+        self.stream.wait_event(job.ready)
+        # the caching allocator must not hand the payload's memory to the caller's stream
+        # before this stream has finished sending it
+        job.payload.record_stream(self.stream)
+        return torch.cuda.stream(self.stream)
 
     def _run_job(self, job: _Job) -> KVTransferError | None:
         """Run one transfer; returns the error that broke the channel, if one did."""

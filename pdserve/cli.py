@@ -1,4 +1,5 @@
-"""`pdserve` command line: one subcommand per module in ``pdserve/commands/``.
+"""`pdserve` command line: one subcommand per entry of ``COMMANDS`` (a module in
+``pdserve/commands/``; the other modules there are helpers the commands share).
 
 Each module defines ``register(subparsers) -> None`` which adds its parser and sets
 ``func=run`` via ``set_defaults``. Modules are imported lazily so ``pdserve plan`` does not import

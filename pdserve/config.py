@@ -12,10 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.cpu import has_native_bf16
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, out of range or unsupported (one line, names the field)."""
 
+
+# --attention-backend choices; 'auto' is resolved per device by pdserve.attention.selector
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -170,7 +175,11 @@ class LoadConfig:
 
     ``model``: 'smollm2' (bundled GGUF), a HF directory, or a ``.gguf`` file.
     ``load_format``: 'auto' | 'safetensors' | 'gguf' | 'dummy' (random weights; needs a config).
-    ``dtype``: 'auto' (float32 on CPU, bfloat16 on CUDA, DESIGN §2) | float32 | bfloat16 | float16.
+    ``dtype``: 'auto' (bfloat16 on CUDA and on CPUs with native bf16 — avx512_bf16 or AMX —,
+    float32 on other CPUs; DESIGN §2) | float32 | bfloat16 | float16.
+    ``attention_backend``: 'auto' (``triton`` on CUDA, ``torch_ref`` elsewhere) | torch_ref |
+    triton; :func:`pdserve.attention.selector.select_attention_backend` resolves it against the
+    device and the model's head size when the model is built.
     """
 
     model: str = "smollm2"
@@ -178,6 +187,7 @@ class LoadConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -186,13 +196,20 @@ class LoadConfig:
             )
         if self.dtype != "auto":
             dtype_bytes(self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend {self.attention_backend!r} is not one of "
+                f"{'|'.join(ATTENTION_BACKENDS)}"
+            )
 
     @property
     def resolved_dtype(self) -> str:
         """The concrete dtype name after applying the per-device default."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.device.startswith("cuda") or has_native_bf16():
+            return "bfloat16"
+        return "float32"
 
 
 @dataclass(frozen=True)

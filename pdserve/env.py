@@ -5,6 +5,8 @@ Variables (all optional):
 - ``PDSERVE_API_KEY``: Bearer key the gateways require when ``--api-key`` is not given.
 - ``PDSERVE_LOG_LEVEL``: log level name for ``pdserve`` processes (default ``INFO``).
 - ``PDSERVE_RAY_ADDRESS``: Ray cluster to join when ``--ray-address`` is not given.
+- ``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels on CPU tensors through Triton's
+  interpreter; :func:`triton_interpret` lets the ``triton`` attention backend run on CPU then.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -21,6 +23,7 @@ API_KEY = "PDSERVE_API_KEY"
 LOG_LEVEL = "PDSERVE_LOG_LEVEL"
 RAY_ADDRESS = "PDSERVE_RAY_ADDRESS"
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
+TRITON_INTERPRET = "TRITON_INTERPRET"
 
 
 def _get(name: str) -> str | None:
@@ -37,6 +40,11 @@ def api_key() -> str | None:
 def ray_address() -> str | None:
     """``PDSERVE_RAY_ADDRESS`` or None."""
     return _get(RAY_ADDRESS)
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET`` is set to a true value (Triton's spelling: 1, true, yes, on)."""
+    return (_get(TRITON_INTERPRET) or "").lower() in ("1", "true", "yes", "on")
 
 
 def log_level() -> int:

@@ -9,16 +9,13 @@ INVALID_ARGUMENT / HTTP 400.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
-from pdserve.types import SampledToken
+from pdserve.types import SampledToken, TransferRecord
+from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import worker_pb2 as pb
-
-if TYPE_CHECKING:
-    from kv_transfer.base import TransferRecord
 
 
 def status_code(name: str) -> grpc.StatusCode:
@@ -27,7 +24,7 @@ def status_code(name: str) -> grpc.StatusCode:
     return grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
 
 
-def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+def sampling_to_proto(p: SamplingParams) -> cpb.SamplingParams:
     """Worker-facing fields of ``p``. Stop strings stay in the router (workers see token ids).
 
     ``max_tokens`` must be resolved (not None) before a request reaches a worker.
@@ -35,7 +32,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     """
     if p.max_tokens is None:
         raise SamplingError("max_tokens", "'max_tokens' must be resolved before dispatch")
-    msg = pb.SamplingParams(
+    msg = cpb.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
@@ -55,7 +52,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(m: cpb.SamplingParams) -> SamplingParams:
     """Rebuild SamplingParams from the wire. Raises SamplingError naming a bad field.
 
     proto3 scalars default to 0, so ``top_p`` 0 and ``repetition_penalty`` 0 mean "unset" (1.0),
@@ -79,9 +76,9 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def token_to_proto(t: SampledToken) -> pb.TokenLogprob:
+def token_to_proto(t: SampledToken) -> cpb.TokenLogprob:
     """One sampled token (with its top log-probabilities, best first) as a wire message."""
-    return pb.TokenLogprob(
+    return cpb.TokenLogprob(
         token_id=t.token_id,
         logprob=t.logprob,
         top_token_ids=[tid for tid, _ in t.top_logprobs],
@@ -89,7 +86,7 @@ def token_to_proto(t: SampledToken) -> pb.TokenLogprob:
     )
 
 
-def token_from_proto(m: pb.TokenLogprob) -> SampledToken:
+def token_from_proto(m: cpb.TokenLogprob) -> SampledToken:
     """Inverse of :func:`token_to_proto`. Keeps at most MAX_TOP_LOGPROBS entries."""
     tops = tuple(zip(m.top_token_ids, m.top_logprobs, strict=False))[:MAX_TOP_LOGPROBS]
     return SampledToken(token_id=m.token_id, logprob=m.logprob, top_logprobs=tops)

@@ -236,6 +236,8 @@ class PrefillEngine(WorkerEngine):
         assert self.sender is not None  # checked in add_request
         table = self.kv.block_table(seq.request_id)
         kv = self.runner.kv_pool.gather(table, seq.num_prompt_tokens)  # [L, 2, T, H, D], a copy
+        # NOTE: on CUDA the gather is queued on the compute stream and the sender moves it on its
+        # own stream after an event (kv_transfer.sender_core), overlapping the next prefill
         p.send_started = time.monotonic()
         try:
             fut = self.sender.send(

@@ -66,6 +66,15 @@ class Unauthorized(RouterError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PayloadTooLarge(RouterError):
+    """413: the request body is over the gateway's size limit."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ModelNotFound(RouterError):
     """404: the request names a model this router does not serve."""
 

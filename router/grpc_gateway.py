@@ -29,11 +29,11 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import metrics, rpc
+from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
-from pdserve.tokenizer import TokenizerError
+from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
-from pdserve.v1 import worker_pb2 as wpb
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.openai_protocol import CHAT_ROLES
 from router.serving import Router
@@ -49,11 +49,11 @@ class GenerationService(gpb_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+        """Token ids of the request's input, prepared off the event loop (router.prompts)."""
         kind = request.WhichOneof("input")
-        tok = self.router.tokenizer
         if kind == "text":
-            return tok.encode(request.text)
+            return await self.router.prompts.text(request.text, param="text")
         if kind == "chat":
             for i, m in enumerate(request.chat.messages):
                 if m.role not in CHAT_ROLES:
@@ -63,16 +63,13 @@ class GenerationService(gpb_grpc.GenerationServicer):
                         param=f"chat.messages.{i}.role",
                     )
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            try:
-                return tok.apply_chat_template(messages)
-            except TokenizerError as e:
-                raise BadRequest(str(e), param="chat") from None
+            return await self.router.prompts.chat(messages, param="chat")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise BadRequest("one of 'text', 'chat' or 'token_ids' must be set", param="input")
 
     def _sampling(self, request: gpb.GenerateRequest) -> SamplingParams:
-        wire = wpb.SamplingParams()
+        wire = cpb.SamplingParams()
         wire.CopyFrom(request.sampling)
         rest_of_context = wire.max_tokens == 0
         if rest_of_context:
@@ -101,7 +98,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 )
             if any(not s for s in request.stop):
                 raise BadRequest("'stop' strings must be non-empty", param="stop")
-            stream = self.router.submit(rid, self._prompt(request), self._sampling(request))
+            prompt = await self._prompt(request)
+            stream = self.router.submit(rid, prompt, self._sampling(request))
         except RouterError as e:
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
@@ -155,7 +153,9 @@ class GrpcGateway:
     ``port`` 0 picks a free port (see ``port`` after ``start``).
     """
 
-    def __init__(self, router: Router, host: str = "0.0.0.0", port: int = 50051) -> None:
+    def __init__(
+        self, router: Router, host: str = ServeConfig.host, port: int = ServeConfig.grpc_port
+    ) -> None:
         self.router = router
         self.host = host
         self.port = port

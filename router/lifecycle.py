@@ -1,49 +1,25 @@
-"""One sequence's life in the router: the request state machine of DESIGN §4, in one place.
+"""One sequence's life in the router: :class:`RequestLifecycle` drives the state machine of
+:mod:`router.request_state` (DESIGN §4) over the worker pool.
 
-States and transitions (``_ALLOWED``)::
+It places the sequence on a decode worker (a :class:`~router.decode_attempt.DecodeAttempt`),
+prefills it on a prefill worker (or locally on the decode worker in unified mode), follows the
+decode stream, and re-places it after a preemption, a lost worker or a failed prefill, within
+the retry budgets of :class:`LifecycleConfig`. Usage: iterate :meth:`RequestLifecycle.run` (an
+async generator of ``SampledToken``); when it ends, ``finish_reason`` is "stop" or "length".
+Closing the generator early (``aclose()`` or task cancellation) aborts the sequence.
 
-    QUEUED ──> PREFILLING ──> DECODING ──> FINISHED
-      ^            │              │
-      └────────────┤              v
-                   │          MIGRATING ──> PREFILLING ...
-                   v
-    any non-terminal state ──> ABORTED | FAILED
-
-* **QUEUED / MIGRATING -> PREFILLING**: a decode worker D (ranked by :func:`router.policy.rank_decode`)
-  accepts a ``Decode`` stream and reserves KV blocks; its first event is ``Accepted{transfer_id,
-  kv_endpoint}``. In MIGRATING the "prompt" is prompt + tokens generated so far, with
-  ``num_output_tokens`` telling the worker how many trailing tokens are output (penalties, seeds).
-* **PREFILLING -> DECODING**: disaggregated: a prefill worker P (ranked by
-  :class:`router.policy.PrefillPolicy`) runs ``Prefill`` with D as the KV target and returns token 1,
-  which is emitted at once (TTFT). Unified (``--mode unified``, or no prefill worker is up): D
-  prefills locally and its first ``Tokens`` event carries token 1.
-* **DECODING**: D's ``Tokens`` events are emitted in order until ``Finished`` (-> FINISHED).
-  ``Preempted`` (D ran out of KV), an ``ErrorEvent`` or a broken stream -> MIGRATING: the sequence
-  is re-prefilled on a decode worker again and the caller's token stream continues unbroken.
-* A failed or timed-out Prefill releases D's reservation and goes back to QUEUED (MIGRATING when
-  tokens exist) to try another P: at most ``max_prefill_attempts`` failures in all.
-* **ABORTED**: the consumer closed the token stream (stop string, client disconnect) or the
-  deadline passed; **FAILED**: a non-retryable error or the retry budgets ran out. Both send one
-  idempotent ``Abort`` to every worker that holds state for the sequence.
-
-Worker-facing request ids are ``<request_id>`` for the first placement and ``<request_id>~<k>``
-for the k-th re-placement, so a late Abort for an old attempt never hits a newer one.
-
-Usage: iterate :meth:`RequestLifecycle.run` (an async generator of ``SampledToken``); when it ends,
-``finish_reason`` is "stop" or "length". Closing the generator early (``aclose()`` or task
-cancellation) aborts the sequence.
+NOTE: a little over 450 lines on purpose: the transitions of one state machine read best in one
+class, top to bottom (states, the decode attempt and background aborts live in their own modules).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
@@ -52,79 +28,19 @@ from pdserve.kv_cache.block_pool import prefix_block_hashes
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
+from router.background import spawn
+from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status_from_code
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
+from router.request_state import TERMINAL, RequestState, check_transition
+from router.request_state import RequestState as S
 
 log = logging.getLogger(__name__)
 
 
-class RequestState(str, enum.Enum):
-    """Router-side state of one sequence (DESIGN §4)."""
-
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    MIGRATING = "migrating"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-S = RequestState
-TERMINAL = frozenset({S.FINISHED, S.ABORTED, S.FAILED})
-_ALLOWED: dict[RequestState, frozenset[RequestState]] = {
-    S.QUEUED: frozenset({S.PREFILLING, S.ABORTED, S.FAILED}),
-    S.PREFILLING: frozenset({S.DECODING, S.QUEUED, S.MIGRATING, S.ABORTED, S.FAILED}),
-    S.DECODING: frozenset({S.MIGRATING, S.FINISHED, S.ABORTED, S.FAILED}),
-    S.MIGRATING: frozenset({S.PREFILLING, S.FINISHED, S.ABORTED, S.FAILED}),
-    S.FINISHED: frozenset(),
-    S.ABORTED: frozenset(),
-    S.FAILED: frozenset(),
-}
-
-# Errors that mean "this worker is (probably) down", as opposed to "busy" or "bad request".
-_WORKER_DOWN = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-    }
-)
-
-# Aborts run in the background so a cancelled consumer never waits on them; keep references so
-# the tasks are not garbage-collected mid-flight.
-_background: set[asyncio.Task[object]] = set()
-
-
-def spawn(coro: Coroutine[Any, Any, object]) -> None:
-    """Run ``coro`` in the background, keeping a reference until it finishes."""
-    task: asyncio.Task[object] = asyncio.ensure_future(coro)
-    _background.add(task)
-    task.add_done_callback(_background_done)
-
-
-def _background_done(task: asyncio.Task[object]) -> None:
-    """Forget a finished background task; log (never leave unretrieved) its exception."""
-    _background.discard(task)
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.warning("background task failed: %r", exc)
-
-
-async def drain_background(timeout_s: float = 5.0) -> None:
-    """Wait for background aborts (tests and shutdown)."""
-    if _background:
-        await asyncio.wait(list(_background), timeout=timeout_s)
-
-
 # seconds a KV reservation outlives the Prefill call's own timeout (transfer + ack time)
 _KV_MARGIN_S = 30.0
-
-
-class IllegalTransition(RuntimeError):
-    """A transition not in the state machine; always a router bug."""
 
 
 @dataclass(frozen=True)
@@ -152,33 +68,6 @@ class LifecycleConfig:
     max_replacements: int = 16
     max_backoff_s: float = 0.5
     abort_timeout_s: float = 2.0
-
-
-class _Leg:
-    """An open Decode stream on one worker (one placement attempt)."""
-
-    def __init__(
-        self, worker: WorkerState, call: grpc.aio.UnaryStreamCall, attempt_id: str, blocks: int
-    ) -> None:
-        self.worker = worker
-        self.call = call
-        self.attempt_id = attempt_id
-        self.blocks = blocks
-        self.accepted: pb.Accepted | None = None
-        self.open = True
-        worker.inflight += 1
-        worker.new_running += 1
-        worker.new_blocks += blocks
-
-    def close(self, abort: bool, timeout_s: float) -> None:
-        """Release the router-side counters; with ``abort`` cancel the stream and send Abort."""
-        if not self.open:
-            return
-        self.open = False
-        self.worker.inflight -= 1
-        if abort:
-            self.call.cancel()
-            spawn(self.worker.client.abort(self.attempt_id, timeout_s))
 
 
 class RequestLifecycle:
@@ -225,7 +114,7 @@ class RequestLifecycle:
         self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
         self.first_token_time: float | None = None
         self._attempts = 0
-        self._leg: _Leg | None = None
+        self._attempt: DecodeAttempt | None = None
         self._prefill_holder: tuple[WorkerState, str] | None = None
         self._prefix_hashes: list[int] | None = None
         self._failed_prefill: set[str] = set()
@@ -234,10 +123,9 @@ class RequestLifecycle:
     # -- state ------------------------------------------------------------------------------
 
     def _set(self, new: RequestState) -> None:
+        check_transition(self.state, new, self.request_id)
         if new is self.state:
             return
-        if new not in _ALLOWED[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.name} -> {new.name}")
         log.debug("%s: %s -> %s", self.request_id, self.state.name, new.name)
         self.state = new
         self.state_times.setdefault(new, time.monotonic())
@@ -273,10 +161,10 @@ class RequestLifecycle:
                     self._end(S.FINISHED, "length")
                     break
                 local = self._unified()
-                leg = await self._place(local)
+                attempt = await self._place(local)
                 self._set(S.PREFILLING)
                 if not local:
-                    first, kv_sent = await self._prefill(leg)
+                    first, kv_sent = await self._prefill(attempt)
                     if first is None:
                         continue
                     self._set(S.DECODING)
@@ -285,9 +173,9 @@ class RequestLifecycle:
                     if self.state in TERMINAL:
                         break
                     if not kv_sent:  # token 1 is good but D never got the KV: re-place
-                        self._lost(leg, "KV transfer failed", None)
+                        self._lost(attempt, "KV transfer failed", None)
                         continue
-                async with contextlib.aclosing(self._follow(leg)) as tokens:
+                async with contextlib.aclosing(self._follow(attempt)) as tokens:
                     async for tok in tokens:
                         yield tok
         except asyncio.CancelledError:
@@ -311,9 +199,9 @@ class RequestLifecycle:
         self._set(state)
         self.finish_reason = reason
         timeout = self.config.abort_timeout_s
-        if self._leg is not None:
-            self._leg.close(abort=state is not S.FINISHED, timeout_s=timeout)
-            self._leg = None
+        if self._attempt is not None:
+            self._attempt.close(abort=state is not S.FINISHED, timeout_s=timeout)
+            self._attempt = None
         if self._prefill_holder is not None:
             worker, attempt_id = self._prefill_holder
             self._prefill_holder = None
@@ -333,7 +221,7 @@ class RequestLifecycle:
 
     # -- placement on a decode worker -----------------------------------------------------------
 
-    async def _place(self, local: bool) -> _Leg:
+    async def _place(self, local: bool) -> DecodeAttempt:
         """Open a Decode stream on the best decode worker that accepts; wait while all are full."""
         tokens = self.prompt_token_ids + [t.token_id for t in self.output]
         blocks = blocks_for_tokens(len(tokens) + 1, self.config.block_size)
@@ -362,10 +250,10 @@ class RequestLifecycle:
                 worker = self.pool.get(worker_id)
                 if worker is None:
                     continue
-                leg = await self._open(worker, tokens, blocks, local)
-                if leg is not None:
-                    self._leg = leg
-                    return leg
+                attempt = await self._open(worker, tokens, blocks, local)
+                if attempt is not None:
+                    self._attempt = attempt
+                    return attempt
             await asyncio.sleep(min(backoff, self._remaining()))
             backoff = min(backoff * 2, self.config.max_backoff_s)
 
@@ -376,8 +264,8 @@ class RequestLifecycle:
 
     async def _open(
         self, worker: WorkerState, tokens: list[int], blocks: int, local: bool
-    ) -> _Leg | None:
-        """Try one decode worker. Returns the accepted leg, or None to try the next worker."""
+    ) -> DecodeAttempt | None:
+        """Try one decode worker. Returns the accepted attempt, or None to try the next worker."""
         attempt_id = self._next_attempt_id()
         req = pb.DecodeRequest(
             request_id=attempt_id,
@@ -389,32 +277,32 @@ class RequestLifecycle:
             kv_timeout_s=self.config.kv_timeout_s or self.config.prefill_timeout_s + _KV_MARGIN_S,
         )
         timeout = min(self._remaining(), self.config.accept_timeout_s)
-        leg = _Leg(worker, worker.client.decode(req), attempt_id, blocks)
+        attempt = DecodeAttempt(self.pool, worker, worker.client.decode(req), attempt_id, blocks)
         abort_timeout = self.config.abort_timeout_s
         try:
-            event = await _read(leg.call, timeout)
+            event = await read_event(attempt.call, timeout)
         except grpc.aio.AioRpcError as e:
-            leg.close(abort=False, timeout_s=abort_timeout)
+            attempt.close(abort=False, timeout_s=abort_timeout)
             self._refused(worker, e.code(), e.details() or "")
             return None
         except asyncio.TimeoutError:
-            leg.close(abort=True, timeout_s=abort_timeout)
+            attempt.close(abort=True, timeout_s=abort_timeout)
             self.pool.report_failure(worker.worker_id)
             log.warning(
                 "%s: %s did not accept within %.1f s", attempt_id, worker.worker_id, timeout
             )
             return None
         if event is grpc.aio.EOF:
-            leg.close(abort=True, timeout_s=abort_timeout)
+            attempt.close(abort=True, timeout_s=abort_timeout)
             self.pool.report_failure(worker.worker_id)
             return None
         kind = event.WhichOneof("event")
         if kind == "accepted":
-            leg.accepted = event.accepted
-            return leg
-        leg.close(abort=True, timeout_s=abort_timeout)
+            attempt.accepted = event.accepted
+            return attempt
+        attempt.close(abort=True, timeout_s=abort_timeout)
         if kind == "error":
-            self._refused(worker, _status(event.error.code), event.error.message)
+            self._refused(worker, status_from_code(event.error.code), event.error.message)
             return None
         log.error("%s: %s sent %s before Accepted", attempt_id, worker.worker_id, kind)
         self.pool.report_failure(worker.worker_id)
@@ -432,7 +320,7 @@ class RequestLifecycle:
                 code.name,
                 details,
             )
-            if code in _WORKER_DOWN:
+            if code in WORKER_DOWN:
                 self.pool.report_failure(worker.worker_id)
 
     # -- prefill -------------------------------------------------------------------------------
@@ -444,47 +332,45 @@ class RequestLifecycle:
             self._prefix_hashes = prefix_block_hashes(head, bs)
         return self._prefix_hashes
 
-    async def _prefill(self, leg: _Leg) -> tuple[SampledToken | None, bool]:
-        """Prefill on the best prefill worker with ``leg`` as KV target.
+    async def _prefill(self, attempt: DecodeAttempt) -> tuple[SampledToken | None, bool]:
+        """Prefill on the best prefill worker with ``attempt`` as KV target.
 
         Returns (token 1, whether its KV reached D), or (None, False) to go round again. On failure the decode reservation is released and the state goes back to QUEUED (or
         MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure.
         """
-        assert leg.accepted is not None
+        assert attempt.accepted is not None
         ranking = self.policy.rank(self.pool.prefill_loads(), self._affinity_hashes())
         # retry elsewhere: workers that already failed this sequence go last
         ranking.sort(key=lambda w: w in self._failed_prefill)
         if not ranking:  # every prefill worker vanished since placement: go round again
-            self._drop_leg(abort=True)
+            self._drop_attempt(abort=True)
             self._set(self._retry_state())
             return None, False
         worker = self.pool.get(ranking[0])
         assert worker is not None
         tokens = self.prompt_token_ids + [t.token_id for t in self.output]
         req = pb.PrefillRequest(
-            request_id=leg.attempt_id,
+            request_id=attempt.attempt_id,
             prompt_token_ids=tokens,
             sampling=self._sampling_pb,
             target=pb.KVTarget(
-                transfer_id=leg.accepted.transfer_id,
-                kv_endpoint=leg.accepted.kv_endpoint,
-                decode_worker_id=leg.accepted.decode_worker_id or leg.worker.worker_id,
+                transfer_id=attempt.accepted.transfer_id,
+                kv_endpoint=attempt.accepted.kv_endpoint,
+                decode_worker_id=attempt.accepted.decode_worker_id or attempt.worker.worker_id,
             ),
             num_output_tokens=len(self.output),
             deadline_unix_ms=self._deadline_unix_ms(),
         )
-        worker.inflight += 1
-        worker.inflight_tokens += len(tokens)
-        self._prefill_holder = (worker, leg.attempt_id)
+        self.pool.reserve(worker, tokens=len(tokens))
+        self._prefill_holder = (worker, attempt.attempt_id)
         try:
             timeout = min(self._remaining(), self.config.prefill_timeout_s)
             resp = await worker.client.prefill(req, timeout)
         except grpc.aio.AioRpcError as e:
-            self._prefill_failed(worker, leg, e.code(), e.details() or "")
+            self._prefill_failed(worker, attempt, e.code(), e.details() or "")
             return None, False
         finally:
-            worker.inflight -= 1
-            worker.inflight_tokens -= len(tokens)
+            self.pool.release(worker, tokens=len(tokens))
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
         metrics.observe_prefill(resp.queue_ms, resp.compute_ms, resp.transfer_ms)
@@ -494,26 +380,26 @@ class RequestLifecycle:
         if not kv_sent:
             log.warning(
                 "%s: KV transfer %s (%s); re-placing",
-                leg.attempt_id, resp.transfer.outcome, resp.transfer.error or "no cause given",
+                attempt.attempt_id, resp.transfer.outcome, resp.transfer.error or "no cause given",
             )  # fmt: skip
         return rpc.token_from_proto(resp.token), kv_sent
 
     def _prefill_failed(
-        self, worker: WorkerState, leg: _Leg, code: grpc.StatusCode, details: str
+        self, worker: WorkerState, attempt: DecodeAttempt, code: grpc.StatusCode, details: str
     ) -> None:
         if self._prefill_holder is not None:
-            spawn(worker.client.abort(leg.attempt_id, self.config.abort_timeout_s))
+            spawn(worker.client.abort(attempt.attempt_id, self.config.abort_timeout_s))
             self._prefill_holder = None
-        self._drop_leg(abort=True)
+        self._drop_attempt(abort=True)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
-        if code in _WORKER_DOWN:
+        if code in WORKER_DOWN:
             self.pool.report_failure(worker.worker_id)
         self.num_prefill_failures += 1
         self._failed_prefill.add(worker.worker_id)
         log.warning(
             "%s: prefill on %s failed (%s: %s), attempt %d/%d",
-            leg.attempt_id, worker.worker_id, code.name, details,
+            attempt.attempt_id, worker.worker_id, code.name, details,
             self.num_prefill_failures, self.config.max_prefill_attempts,
         )  # fmt: skip
         if self.num_prefill_failures >= self.config.max_prefill_attempts:
@@ -522,10 +408,10 @@ class RequestLifecycle:
             )
         self._set(self._retry_state())
 
-    def _drop_leg(self, abort: bool) -> None:
-        if self._leg is not None:
-            self._leg.close(abort=abort, timeout_s=self.config.abort_timeout_s)
-            self._leg = None
+    def _drop_attempt(self, abort: bool) -> None:
+        if self._attempt is not None:
+            self._attempt.close(abort=abort, timeout_s=self.config.abort_timeout_s)
+            self._attempt = None
 
     def _check_replacements(self) -> None:
         total = self.num_preemptions + self.num_migrations
@@ -536,20 +422,20 @@ class RequestLifecycle:
 
     # -- decode stream ---------------------------------------------------------------------------
 
-    async def _follow(self, leg: _Leg) -> AsyncGenerator[SampledToken, None]:
+    async def _follow(self, attempt: DecodeAttempt) -> AsyncGenerator[SampledToken, None]:
         """Emit D's tokens until Finished (-> FINISHED) or a re-placement (-> MIGRATING)."""
         while True:
             try:
-                event = await _read(leg.call, self._remaining())
+                event = await read_event(attempt.call, self._remaining())
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"request {self.request_id} exceeded its deadline (--request-timeout)"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                self._lost(leg, f"stream broke: {e.code().name} {e.details()}", e.code())
+                self._lost(attempt, f"stream broke: {e.code().name} {e.details()}", e.code())
                 return
             if event is grpc.aio.EOF:
-                self._lost(leg, "stream ended without Finished", grpc.StatusCode.UNAVAILABLE)
+                self._lost(attempt, "stream ended without Finished", grpc.StatusCode.UNAVAILABLE)
                 return
             kind = event.WhichOneof("event")
             if kind == "tokens":
@@ -560,23 +446,23 @@ class RequestLifecycle:
                 if self.state in TERMINAL:
                     return
             elif kind == "finished" and self.state is S.DECODING:
-                self._drop_leg(abort=False)
+                self._drop_attempt(abort=False)
                 self._end(S.FINISHED, event.finished.reason or "stop")
                 return
             elif kind == "preempted":
                 for tok in self._take(self._reconcile(event.preempted.output_token_ids)):
                     yield tok
                 if self.state not in TERMINAL:
-                    self._preempted(leg, event.preempted)
+                    self._preempted(attempt, event.preempted)
                 return
             elif kind == "error":
-                code = _status(event.error.code)
+                code = status_from_code(event.error.code)
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(f"rejected by decode worker: {event.error.message}")
-                self._lost(leg, f"error event {code.name}: {event.error.message}", code)
+                self._lost(attempt, f"error event {code.name}: {event.error.message}", code)
                 return
             else:
-                self._lost(leg, f"unexpected {kind} event", grpc.StatusCode.INTERNAL)
+                self._lost(attempt, f"unexpected {kind} event", grpc.StatusCode.INTERNAL)
                 return
 
     def _reconcile(self, output_ids: Sequence[int]) -> list[SampledToken]:
@@ -586,49 +472,25 @@ class RequestLifecycle:
             return []
         return [SampledToken(token_id=t) for t in output_ids[have:]]
 
-    def _preempted(self, leg: _Leg, ev: pb.Preempted) -> None:
-        self._drop_leg(abort=False)
-        self._left_decode.add(leg.worker.worker_id)
+    def _preempted(self, attempt: DecodeAttempt, ev: pb.Preempted) -> None:
+        self._drop_attempt(abort=False)
+        self._left_decode.add(attempt.worker.worker_id)
         self.num_preemptions += 1
-        log.info("%s: preempted on %s (%s)", leg.attempt_id, leg.worker.worker_id, ev.reason)
-        self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
-        self._check_replacements()
-
-    def _lost(self, leg: _Leg, why: str, code: grpc.StatusCode | None) -> None:
-        """D's stream is gone: release it and re-place the sequence (MIGRATING / QUEUED)."""
-        if code in _WORKER_DOWN:
-            self.pool.report_failure(leg.worker.worker_id)
-        self._drop_leg(abort=True)
-        self._left_decode.add(leg.worker.worker_id)
-        self.num_migrations += 1
-        log.warning(
-            "%s: decode %s lost (%s); re-placing", leg.attempt_id, leg.worker.worker_id, why
+        log.info(
+            "%s: preempted on %s (%s)", attempt.attempt_id, attempt.worker.worker_id, ev.reason
         )
         self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
         self._check_replacements()
 
-
-async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> Any:
-    """``await call.read()`` within ``timeout_s`` seconds (raises TimeoutError).
-
-    NOTE: not ``asyncio.wait_for``: on Python 3.11 it returns the result and swallows a
-    cancellation that arrives just as the read completes, so a sequence whose client left would
-    keep decoding to max_tokens. ``asyncio.timeout`` always delivers the cancellation.
-    """
-    async with asyncio.timeout(timeout_s):
-        return await call.read()
-
-
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _status(value: int) -> grpc.StatusCode:
-    """The ``grpc.StatusCode`` for an integer code (UNKNOWN if out of range)."""
-    return _STATUS_BY_NUMBER.get(value, grpc.StatusCode.UNKNOWN)
-
-
-async def cancel_quietly(task: asyncio.Task[object]) -> None:
-    """Cancel ``task`` and wait for it, swallowing its CancelledError."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    def _lost(self, attempt: DecodeAttempt, why: str, code: grpc.StatusCode | None) -> None:
+        """D's stream is gone: release it and re-place the sequence (MIGRATING / QUEUED)."""
+        if code in WORKER_DOWN:
+            self.pool.report_failure(attempt.worker.worker_id)
+        self._drop_attempt(abort=True)
+        self._left_decode.add(attempt.worker.worker_id)
+        self.num_migrations += 1
+        log.warning(
+            "%s: decode %s lost (%s); re-placing", attempt.attempt_id, attempt.worker.worker_id, why
+        )
+        self._set(S.MIGRATING if self.state is S.DECODING else self._retry_state())
+        self._check_replacements()

@@ -7,7 +7,7 @@ vLLM does. Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``) are accepted with the same names and meanings.
 
-Responses are built as plain dicts by :mod:`router.http_gateway` (one per streamed token: no
+Responses are built as plain dicts by :mod:`router.http.responses` (one per streamed token: no
 pydantic round trip on the hot path); their shapes are documented there.
 """
 

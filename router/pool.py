@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerState:
-    """One worker as the pool tracks it. Counts are router-side unless named ``stats``."""
+    """One worker as the pool tracks it. Counts are router-side unless named ``stats``; only
+    the pool changes them (:meth:`WorkerPool.reserve` / :meth:`WorkerPool.release`, polls)."""
 
     client: WorkerClient
     healthy: bool = True
@@ -120,6 +121,25 @@ class WorkerPool:
 
     def __iter__(self) -> Iterator[WorkerState]:
         return iter(list(self._workers.values()))
+
+    # -- router-side load between polls ----------------------------------------------------
+
+    def reserve(self, worker: WorkerState, *, blocks: int = 0, tokens: int = 0) -> None:
+        """Count one request the router placed on ``worker`` until :meth:`release`.
+
+        Decode: one more running sequence and ``blocks`` KV blocks, both until the next poll
+        reports them. Prefill: ``tokens`` prompt tokens queued until the Prefill call returns.
+        """
+        worker.inflight += 1
+        worker.inflight_tokens += tokens
+        if worker.info.role == "decode":
+            worker.new_running += 1
+            worker.new_blocks += blocks
+
+    def release(self, worker: WorkerState, *, tokens: int = 0) -> None:
+        """The request counted by ``reserve(worker, tokens=tokens)`` left ``worker``."""
+        worker.inflight -= 1
+        worker.inflight_tokens -= tokens
 
     # -- load snapshots for the policy -------------------------------------------------------
 

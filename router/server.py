@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from pdserve.config import ServeConfig
 from router.grpc_gateway import GrpcGateway
-from router.http_gateway import ClusterControl, build_app
+from router.http import ClusterControl, build_app
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,9 @@ log = logging.getLogger(__name__)
 class FrontendConfig:
     """Where to listen. ``api_key`` None = no authentication."""
 
-    host: str = "0.0.0.0"
-    port: int = 8000
-    grpc_port: int = 50051
+    host: str = ServeConfig.host
+    port: int = ServeConfig.port
+    grpc_port: int = ServeConfig.grpc_port
     api_key: str | None = None
     log_level: str = "warning"
 

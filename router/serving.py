@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve import metrics, rpc
+from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from pdserve.types import SampledToken
@@ -36,6 +37,7 @@ from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
+from router.prompts import PromptPreparer
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,10 @@ class RouterConfig:
 
     model_name: str
     max_model_len: int
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262144
-    request_timeout_s: float = 600.0
+    # defaults: the ones `pdserve serve` has (one place: pdserve/config.py)
+    max_queued_requests: int = ServeConfig.max_queued_requests
+    max_queued_tokens: int = ServeConfig.max_queued_tokens
+    request_timeout_s: float = ServeConfig.request_timeout_s
     max_n: int = 16
     max_sequences: int = 64
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
@@ -316,6 +319,7 @@ class Router:
         self.pool = pool
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
+        self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
 
     @property
     def model_name(self) -> str:

@@ -52,12 +52,6 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         LoadConfig(dtype="int3")
 
 
-def test_dtype_default_per_device() -> None:
-    assert LoadConfig().resolved_dtype == "float32"
-    assert LoadConfig(device="cuda").resolved_dtype == "bfloat16"
-    assert LoadConfig(dtype="bfloat16").resolved_dtype == "bfloat16"
-
-
 def test_blocks_for_memory() -> None:
     cfg = ModelConfig.from_hf_dict(QWEN_7B)
     cache = CacheConfig(kv_cache_memory_bytes=2**30)
@@ -78,3 +72,23 @@ def test_transformers5_rope_parameters() -> None:
     d["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
     cfg = ModelConfig.from_hf_dict(d)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+
+
+def test_dtype_auto_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto: bf16 on CUDA and on CPUs with native bf16, float32 on AVX2-only CPUs."""
+    from pdserve import config as config_mod
+    from pdserve.cpu import has_native_bf16, parse_cpu_flags
+
+    amd_avx2 = parse_cpu_flags("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n")
+    intel_amx = parse_cpu_flags("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
+    epyc_bf16 = parse_cpu_flags("flags\t\t: avx2 avx512f avx512_bf16\n")
+    assert not has_native_bf16(amd_avx2)
+    assert has_native_bf16(intel_amx) and has_native_bf16(epyc_bf16)
+    assert parse_cpu_flags("no flags here") == frozenset()
+
+    monkeypatch.setattr(config_mod, "has_native_bf16", lambda: False)
+    assert LoadConfig().resolved_dtype == "float32"
+    assert LoadConfig(device="cuda").resolved_dtype == "bfloat16"
+    monkeypatch.setattr(config_mod, "has_native_bf16", lambda: True)
+    assert LoadConfig().resolved_dtype == "bfloat16"
+    assert LoadConfig(dtype="float32").resolved_dtype == "float32"

@@ -11,10 +11,10 @@ import pytest
 from pdserve import rpc
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.types import SampledToken
-from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import common_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = ["proto/pdserve/v1/generate.proto", "proto/pdserve/v1/worker.proto"]
+PROTOS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proto/pdserve/v1").glob("*.proto"))
 
 
 @pytest.mark.timeout(60)

@@ -33,9 +33,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument(
-        "--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto: float32 on CPU)"
+        "--dtype",
+        default="auto",
+        help="auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--attention-backend", default="auto", help="auto (triton on CUDA) | torch_ref | triton"
+    )
     p.add_argument("--load-format", default="auto", help="auto|safetensors|gguf|dummy")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -55,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     # heavy imports here, so `pdserve --help` stays fast
     from decode_worker.offline import OfflineEngine
+    from pdserve.attention.selector import select_attention_backend
     from pdserve.model.loader import load_model_config
     from pdserve.tokenizer import load_tokenizer
 
@@ -67,9 +73,15 @@ def _run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     load = LoadConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
     )
-    load_model_config(load)  # model problems first, one line, before the tokenizer is read
+    # model and backend problems first, one line, before the tokenizer is read
+    model = load_model_config(load)
+    select_attention_backend(load.attention_backend, load.device, model.head_dim)
     tok = load_tokenizer(args.model)
     if args.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]

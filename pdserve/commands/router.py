@@ -13,15 +13,10 @@ import asyncio
 import sys
 
 from pdserve import env
-from pdserve.commands.serve import (
-    HelpFormatter,
-    add_frontend_args,
-    add_model_args,
-    resolve_max_model_len,
-    say,
-    setup_logging,
-)
-from pdserve.config import ConfigError, LoadConfig
+from pdserve.commands.progress import say
+from pdserve.commands.serve import resolve_max_model_len, setup_logging
+from pdserve.commands.serve_flags import HelpFormatter, add_frontend_args, add_model_args
+from pdserve.config import ConfigError, LoadConfig, ServeConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--mode",
-        default="disaggregated",
+        default=ServeConfig.mode,
         choices=["disaggregated", "unified"],
         help="unified = always prefill on decode workers",
     )
@@ -53,8 +48,9 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
     from pdserve.tokenizer import load_tokenizer
+    from router.background import drain_background
     from router.cluster import RegistryFollower
-    from router.lifecycle import LifecycleConfig, drain_background
+    from router.lifecycle import LifecycleConfig
     from router.pool import WorkerPool
     from router.server import Frontend, FrontendConfig
     from router.serving import Router, RouterConfig

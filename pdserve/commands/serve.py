@@ -18,12 +18,19 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
+from pdserve.commands.progress import StartupProgress, say
+from pdserve.commands.serve_flags import (
+    HelpFormatter,
+    add_cluster_args,
+    add_engine_args,
+    add_frontend_args,
+    add_model_args,
+)
 from pdserve.config import (
     CacheConfig,
     ConfigError,
@@ -36,128 +43,6 @@ from pdserve.config import (
 )
 
 log = logging.getLogger("pdserve.serve")
-
-
-# -- flags shared with `pdserve router` -----------------------------------------------------------
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --served-model-name, --max-model-len."""
-    p.add_argument(
-        "--model", default="smollm2", help="'smollm2' (bundled), a .gguf file or a HF dir"
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="model id clients use (default: --model's name)"
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens per request (default: the model's context length)",
-    )
-
-
-def add_frontend_args(p: argparse.ArgumentParser) -> None:
-    """Gateways, auth and admission flags."""
-    g = p.add_argument_group("gateways")
-    g.add_argument("--host", default="0.0.0.0", help="address both gateways listen on")
-    g.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
-    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC (pdserve.v1) port")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' (default: ${env.API_KEY} if set)",
-    )
-    g.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=256,
-        help="requests waiting for their first token before new ones get HTTP 429",
-    )
-    g.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=262144,
-        help="prompt tokens waiting for their first token before new requests get HTTP 429",
-    )
-    g.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds before a request is aborted"
-    )
-    g.add_argument(
-        "--log-level",
-        default=None,
-        choices=["debug", "info", "warning", "error"],
-        help=f"log level (default: ${env.LOG_LEVEL} or info)",
-    )
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Per-worker engine flags (vLLM names)."""
-    g = p.add_argument_group("engine (every worker)")
-    g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
-    g.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | ..."
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--seed", type=int, default=0, help="seed of --load-format dummy weights")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    g.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=CacheConfig.kv_cache_memory_bytes,
-        help="KV cache size of each worker, in bytes",
-    )
-    g.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=0,
-        help="KV blocks per worker (overrides --kv-cache-memory-bytes; CPU too)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step"
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of shared prompt prefixes",
-    )
-    g.add_argument(
-        "--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV send/receive"
-    )
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster")
-    g.add_argument(
-        "--mode",
-        default="disaggregated",
-        choices=["disaggregated", "unified"],
-        help="unified = no prefill workers; decode workers prefill locally",
-    )
-    g.add_argument("--num-prefill-workers", type=int, default=1)
-    g.add_argument("--num-decode-workers", type=int, default=1)
-    g.add_argument(
-        "--cpus-per-worker",
-        type=float,
-        default=None,
-        help="Ray CPUs (and torch threads) per worker (default: the CPUs split evenly)",
-    )
-    g.add_argument(
-        "--ray-address",
-        default=None,
-        help=f"join this Ray cluster (default: ${env.RAY_ADDRESS}, else start a local one)",
-    )
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (the help text says what None means)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -227,6 +112,7 @@ class ServePlan:
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
     """Validate flags and read the model config (no weights). Raises ConfigError naming the flag."""
+    from pdserve.attention.selector import select_attention_backend
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
 
@@ -236,8 +122,10 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         dtype=args.dtype,
         device=resolve_device(args.device),
         seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     model = load_model_config(load)
+    select_attention_backend(load.attention_backend, load.device, model.head_dim)
     max_model_len = resolve_max_model_len(args.max_model_len, model)
     cache = CacheConfig(
         block_size=args.block_size,
@@ -286,11 +174,6 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
 # -- running ----------------------------------------------------------------------------------------
 
 
-def say(line: str) -> None:
-    """One progress line on stdout, flushed (startup happens before logging is interesting)."""
-    print(f"[pdserve] {line}", flush=True)
-
-
 def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
     s = plan.serve
     workers = (
@@ -311,60 +194,12 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         say(line)
 
 
-class StartupProgress:
-    """Startup display on stderr: a live tqdm bar of workers loaded, with elapsed time, when
-    stderr is a terminal; otherwise (logs, CI) a "still starting" line every ``every_s`` seconds.
+def worker_actor_classes() -> dict[str, type]:
+    """The real worker actor classes (imported here, lazily: they load torch)."""
+    from decode_worker.actor import DecodeActor
+    from prefill_worker.actor import PrefillActor
 
-    ``line()`` prints a progress line without tearing the bar.
-    """
-
-    def __init__(self, num_workers: int, label: str, every_s: float = 10.0) -> None:
-        from tqdm import tqdm
-
-        self.label = label
-        self.every_s = every_s
-        self._t0 = time.monotonic()
-        self._bar = tqdm(
-            total=num_workers,
-            desc=f"[pdserve] {label}",
-            unit="worker",
-            file=sys.stderr,
-            disable=None,  # only on a terminal
-            dynamic_ncols=True,
-            bar_format="{desc}: {n_fmt}/{total_fmt} workers loaded |{bar}| {elapsed}",
-        )
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def live(self) -> bool:
-        """True when the bar is drawn (stderr is a terminal)."""
-        return not self._bar.disable
-
-    def line(self, text: str) -> None:
-        if self.live:
-            self._bar.write(f"[pdserve] {text}", file=sys.stdout)
-        else:
-            say(text)
-
-    def worker_ready(self, _info: object = None) -> None:
-        self._bar.update(1)
-
-    def start(self) -> None:
-        """Keep the elapsed time moving (or print the periodic line); needs a running loop."""
-        self._task = asyncio.ensure_future(self._tick())
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(0.5 if self.live else self.every_s)
-            if self.live:
-                self._bar.refresh()
-            else:
-                say(f"{self.label}... {time.monotonic() - self._t0:.0f} s")
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._bar.close()
+    return {"prefill": PrefillActor, "decode": DecodeActor}
 
 
 async def _until_stopped(stopping: asyncio.Event, work: asyncio.Future[Any]) -> bool:
@@ -384,10 +219,14 @@ async def serve_async(
     actor_classes: dict[str, type] | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Run until Ctrl-C/SIGTERM. Returns the process exit code."""
+    """Run until Ctrl-C/SIGTERM. Returns the process exit code.
+
+    ``actor_classes``: role -> worker actor class (default: the real prefill and decode actors).
+    """
     from pdserve.tokenizer import load_tokenizer
-    from router.cluster import ClusterSpec, RayCluster
-    from router.lifecycle import LifecycleConfig, drain_background
+    from router.background import drain_background
+    from router.cluster import ClusterSpec, RayCluster, shutdown_ray
+    from router.lifecycle import LifecycleConfig
     from router.pool import WorkerPool
     from router.server import Frontend, FrontendConfig
     from router.serving import Router, RouterConfig
@@ -411,7 +250,7 @@ async def serve_async(
         ),
         pool,
         ray_address=s.ray_address,
-        actor_classes=actor_classes,
+        actor_classes=actor_classes or worker_actor_classes(),
         progress=progress.line,
         on_worker_ready=progress.worker_ready,
     )
@@ -459,17 +298,10 @@ async def serve_async(
         await drain_background(2.0)
         await cluster.stop()
         await pool.close()
-        _shutdown_ray()
+        shutdown_ray()
         frontend.release_signals()
         say("stopped")
     return code
-
-
-def _shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:

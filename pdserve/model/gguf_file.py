@@ -1,13 +1,9 @@
 """GGUF files (llama.cpp format): model config from metadata, and dequantised weights by HF name.
 
-The header is scanned directly (GGUF spec v2/v3, little-endian): magic ``b"GGUF"``, uint32
-version, uint64 tensor count, uint64 key/value count; each key/value is a string key, a uint32
-value type and the value (arrays: uint32 element type + uint64 count + elements; strings: uint64
-length + bytes); then per tensor: name, uint32 n_dims, n_dims uint64 sizes (innermost first),
-uint32 ggml type, uint64 data offset; tensor data starts at the next multiple of
-``general.alignment`` (default 32). Arrays are skipped, only their lengths kept, so a header with
-a 49k-token vocabulary scans in tens of milliseconds (``gguf.GGUFReader`` builds numpy views of
-every element and takes seconds).
+The header and key/value section are read by :mod:`pdserve.model.gguf_header` (torch-free, so the
+tokenizer can use it); this module adds the tensor table: per tensor a name, uint32 n_dims, n_dims
+uint64 sizes (innermost first), uint32 ggml type and uint64 data offset; tensor data starts at the
+next multiple of ``general.alignment`` (default 32).
 
 Tensors are memory-mapped and dequantised to float32 with ``gguf.quants.dequantize`` (every ggml
 type the ``gguf`` package knows, e.g. Q4_1, Q8_0, K-quants), then renamed to Hugging Face names
@@ -18,9 +14,7 @@ Q/K projections from the "rotate half" RoPE layout to its interleaved layout;
 
 from __future__ import annotations
 
-import mmap
-import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +24,12 @@ import numpy as np
 import torch
 
 from pdserve.config import ConfigError, ModelConfig, RopeScaling
+from pdserve.model.gguf_header import (  # noqa: F401 - read_gguf_metadata is re-exported
+    Scanner,
+    read_gguf_metadata,
+    scan_metadata,
+    with_scanner,
+)
 
 # GGUF general.architecture -> (HF architecture, Q/K rows permuted by the converter)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -38,10 +38,6 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency divisors stored as a tensor
-# GGUF value type id -> struct format of a fixed-size value (GGUF spec, "gguf_type")
-_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-          11: "<q", 12: "<d"}  # fmt: skip
-_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -60,96 +56,6 @@ class TensorInfo:
         return int(np.prod(self.shape)) // block * type_size
 
 
-class _Scanner:
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.off = buf, 0
-
-    def fixed(self, fmt: str) -> Any:
-        (v,) = struct.unpack_from(fmt, self.buf, self.off)
-        self.off += struct.calcsize(fmt)
-        return v
-
-    def string(self) -> str:
-        n = self.fixed("<Q")
-        if self.off + n > len(self.buf):
-            raise IndexError(f"string of {n} bytes runs past the end of the file")
-        s = self.buf[self.off : self.off + n].decode("utf-8")
-        self.off += n
-        return s
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        fmt = _FIXED.get(vtype)
-        if fmt is None:
-            raise struct.error(f"unknown GGUF value type {vtype}")
-        return self.fixed(fmt)
-
-    def skip_array(self) -> int:
-        """Skip an array value; returns its element count."""
-        etype, count = self.fixed("<I"), self.fixed("<Q")
-        if etype in (_STRING, _ARRAY):
-            for _ in range(count):
-                if etype == _STRING:
-                    self.off += 8 + self.fixed("<Q")
-                else:
-                    self.skip_array()
-        else:
-            fmt = _FIXED.get(etype)
-            if fmt is None:
-                raise struct.error(f"unknown GGUF array element type {etype}")
-            self.off += count * struct.calcsize(fmt)
-        return count
-
-
-def _with_scanner(path: Path, scan: Callable[[_Scanner], object]) -> None:
-    """Run ``scan`` over the memory-mapped file; ConfigError naming the file on any read error."""
-    try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as b:
-            scan(_Scanner(b))
-    except (OSError, ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(
-            f"{path} is not a readable GGUF file (truncated or corrupt): {e}"
-        ) from None
-
-
-def _scan_metadata(
-    s: _Scanner, path: Path, metadata: dict[str, Any], array_lengths: dict[str, int]
-) -> int:
-    """Read the header and key/value section into ``metadata`` (scalars) and ``array_lengths``
-    (arrays are skipped, not parsed); returns the tensor count. The scanner is left at the
-    tensor table."""
-    if s.buf[:4] != b"GGUF":
-        raise ConfigError(f"{path} is not a GGUF file (bad magic {bytes(s.buf[:4])!r})")
-    s.off = 4
-    version = s.fixed("<I")
-    if version not in (2, 3):
-        raise ConfigError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-    n_tensors, n_kv = s.fixed("<Q"), s.fixed("<Q")
-    for _ in range(n_kv):
-        key = s.string()
-        vtype = s.fixed("<I")
-        if vtype == _ARRAY:
-            array_lengths[key] = s.skip_array()
-        else:
-            metadata[key] = s.value(vtype)
-    return int(n_tensors)
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """All scalar (non-array) metadata of a GGUF file, key -> value, in tens of milliseconds
-    (``gguf.GGUFReader`` parses every vocabulary entry and takes seconds). Any architecture.
-
-    Raises ConfigError naming the file when it is missing, not GGUF v2/v3, truncated or corrupt.
-    """
-    p = Path(path)
-    metadata: dict[str, Any] = {}
-    _with_scanner(p, lambda s: _scan_metadata(s, p, metadata, {}))
-    return metadata
-
-
 class GGUFCheckpoint:
     """One GGUF file: its scalar metadata, array lengths and tensor table, scanned once.
 
@@ -164,7 +70,7 @@ class GGUFCheckpoint:
         self.metadata: dict[str, Any] = {}
         self.array_lengths: dict[str, int] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        _with_scanner(self.path, self._scan)
+        with_scanner(self.path, self._scan)
         arch = self.metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ConfigError(
@@ -173,8 +79,8 @@ class GGUFCheckpoint:
             )
         self.arch: str = arch
 
-    def _scan(self, s: _Scanner) -> None:
-        n_tensors = _scan_metadata(s, self.path, self.metadata, self.array_lengths)
+    def _scan(self, s: Scanner) -> None:
+        n_tensors = scan_metadata(s, self.path, self.metadata, self.array_lengths)
         for _ in range(n_tensors):
             name = s.string()
             shape = tuple(s.fixed("<Q") for _ in range(s.fixed("<I")))

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pdserve.attention.base import AttentionBackend
+from pdserve.attention.base import AttentionBackend, get_backend
+from pdserve.attention.selector import select_attention_backend
 from pdserve.config import ConfigError, LoadConfig, ModelConfig
 from pdserve.model import gguf_file
 from pdserve.model.layers import MergedLinear
@@ -168,7 +169,8 @@ def load_model(
 
     ``model_config`` is required when there is no checkpoint config to read (dummy weights of a
     config built in code). Raises ConfigError (missing files, unsupported architecture, weight
-    mismatch).
+    mismatch, or an ``attention_backend`` that cannot run here). ``backend`` None = the one
+    :func:`~pdserve.attention.selector.select_attention_backend` picks for ``load``.
     """
     resolved, ckpt = None, None
     if load.load_format != "dummy" or model_config is None:
@@ -181,6 +183,9 @@ def load_model(
         assert resolved is not None
         cfg = _config_of(resolved, ckpt)
     cls = get_model_class(cfg.architecture)
+    if backend is None:
+        name = select_attention_backend(load.attention_backend, load.device, cfg.head_dim)
+        backend = get_backend(name)
     dtype = torch_dtype(load.resolved_dtype)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the target dtype

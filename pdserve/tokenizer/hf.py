@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.config import ConfigError
-from pdserve.model.gguf_file import read_gguf_metadata
+from pdserve.model.gguf_header import read_gguf_metadata
 from pdserve.model.resolve import resolve_model
 
 log = logging.getLogger(__name__)

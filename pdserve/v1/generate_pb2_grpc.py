@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+    """The public generation API: stream a completion, list the served model.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The public generation API: stream a completion, list the served model.
+    """
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -83,7 +85,8 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Missing associated documentation comment in .proto file."""
+    """The public generation API: stream a completion, list the served model.
+    """
 
     @staticmethod
     def Generate(request,

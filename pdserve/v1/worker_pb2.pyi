@@ -1,54 +1,13 @@
+from pdserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from pdserve.v1.common_pb2 import SamplingParams as SamplingParams
+from pdserve.v1.common_pb2 import TokenLogprob as TokenLogprob
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "min_tokens")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int
-    max_tokens: int
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    logprobs: bool
-    top_logprobs: int
-    min_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
-
-class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TransferRecord(_message.Message):
     __slots__ = ("transfer_id", "bytes", "ms", "outcome", "path", "error")
@@ -86,11 +45,11 @@ class PrefillRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     target: KVTarget
     num_output_tokens: int
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer")
@@ -102,13 +61,13 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    token: TokenLogprob
+    token: _common_pb2.TokenLogprob
     cached_tokens: int
     queue_ms: float
     compute_ms: float
     transfer_ms: float
     transfer: TransferRecord
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer: _Optional[_Union[TransferRecord, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer: _Optional[_Union[TransferRecord, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -166,11 +125,11 @@ class DecodeRequest(_message.Message):
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_output_tokens: int
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     prefill_locally: bool
     deadline_unix_ms: int
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("transfer_id", "kv_endpoint", "decode_worker_id", "num_reserved_blocks")
@@ -187,8 +146,8 @@ class Accepted(_message.Message):
 class Tokens(_message.Message):
     __slots__ = ("tokens",)
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "num_output_tokens")

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve_process import ServeProcess
 
 from pdserve.tokenizer import Tokenizer, load_tokenizer
+from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 from pdserve.v1 import worker_pb2 as wpb
@@ -124,7 +125,7 @@ def test_grpc_streams_the_same_tokens_and_reports_serving(
         async with grpc.aio.insecure_channel(server.grpc_address) as ch:
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
             req = gpb.GenerateRequest(
-                text=PROMPTS[0], sampling=wpb.SamplingParams(max_tokens=12, temperature=0)
+                text=PROMPTS[0], sampling=cpb.SamplingParams(max_tokens=12, temperature=0)
             )
             ids: list[int] = []
             text = ""

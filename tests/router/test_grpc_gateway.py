@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
-from pdserve.v1 import worker_pb2 as wpb
 from router.grpc_gateway import SERVICE_NAME, GrpcGateway
 from router.serving import Router, RouterConfig
 
@@ -49,7 +49,7 @@ async def test_generate_streams_chunks_then_complete(tokenizer: Tokenizer) -> No
         stub = gpb_grpc.GenerationStub(channel)
         req = gpb.GenerateRequest(
             chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="Capital?")]),
-            sampling=wpb.SamplingParams(max_tokens=0, logprobs=True),
+            sampling=cpb.SamplingParams(max_tokens=0, logprobs=True),
             request_id="my-id",
         )
         out = [r async for r in stub.Generate(req)]
@@ -97,7 +97,7 @@ async def test_errors_map_to_status_codes(tokenizer: Tokenizer) -> None:
             (gpb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
             (gpb.GenerateRequest(text="hi", model="other"), grpc.StatusCode.NOT_FOUND),
             (
-                gpb.GenerateRequest(text="hi", sampling=wpb.SamplingParams(temperature=-1)),
+                gpb.GenerateRequest(text="hi", sampling=cpb.SamplingParams(temperature=-1)),
                 grpc.StatusCode.INVALID_ARGUMENT,
             ),
             (
@@ -136,7 +136,7 @@ async def test_unknown_chat_role_is_invalid_argument(tokenizer: Tokenizer) -> No
         stub = gpb_grpc.GenerationStub(channel)
         req = gpb.GenerateRequest(
             chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="wizard", content="hi")]),
-            sampling=wpb.SamplingParams(max_tokens=2),
+            sampling=cpb.SamplingParams(max_tokens=2),
         )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             _ = [r async for r in stub.Generate(req)]
@@ -152,7 +152,23 @@ async def test_grpc_errors_are_counted(tokenizer: Tokenizer) -> None:
     async with gateway(tokenizer) as (_c, _router, channel):
         stub = gpb_grpc.GenerationStub(channel)
         before = errors._value.get()
-        req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[-1]), sampling=wpb.SamplingParams())
+        req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[-1]), sampling=cpb.SamplingParams())
         with pytest.raises(grpc.aio.AioRpcError):
             _ = [r async for r in stub.Generate(req)]
         assert errors._value.get() == before + 1
+
+
+async def test_prompts_are_tokenized_off_the_event_loop(tokenizer: Tokenizer) -> None:
+    from test_prompts import RecordingTokenizer
+
+    from router.prompts import PromptPreparer
+
+    async with gateway(tokenizer) as (_c, router, channel):
+        rec = RecordingTokenizer(tokenizer)
+        router.prompts = PromptPreparer(rec)  # type: ignore[arg-type]
+        stub = gpb_grpc.GenerationStub(channel)
+        chat = gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="Capital?")])
+        for req in (gpb.GenerateRequest(text="Capital?"), gpb.GenerateRequest(chat=chat)):
+            out = [r async for r in stub.Generate(req)]
+            assert out[-1].WhichOneof("response") == "complete"
+        assert len(rec.threads) == 2 and all(t.startswith("tokenize") for t in rec.threads)

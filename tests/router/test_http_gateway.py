@@ -15,8 +15,8 @@ import uvicorn
 from fake_workers import EOS, FakeCluster, start_fake_cluster
 
 from pdserve.tokenizer import Tokenizer
-from router.http_gateway import build_app
-from router.lifecycle import drain_background
+from router.background import drain_background
+from router.http import build_app
 from router.serving import Router, RouterConfig
 
 pytestmark = pytest.mark.timeout(60)

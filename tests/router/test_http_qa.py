@@ -16,7 +16,7 @@ from test_http_gateway import MSGS, assert_openai_error, env, sse_events
 
 from pdserve import metrics
 from pdserve.tokenizer import Tokenizer
-from router.lifecycle import drain_background
+from router.background import drain_background
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,7 +206,7 @@ async def test_body_must_be_a_json_object(
 
 async def test_body_size_limit_is_413(tokenizer: Tokenizer) -> None:
     """H1: bodies over the limit are refused before parsing, with an OpenAI error body."""
-    from router.http_gateway import build_app
+    from router.http import build_app
 
     async with env(tokenizer) as e:
         app = build_app(e.router, max_body_bytes=1000)
@@ -255,7 +255,7 @@ async def test_streaming_n2_disconnect_aborts_every_sequence(tokenizer: Tokenize
     """L2: a client that leaves an n=2 stream early aborts both sequences (5 at a time)."""
     from test_http_gateway import live_server
 
-    from router.http_gateway import build_app
+    from router.http import build_app
 
     async with env(tokenizer, decode={"step_s": 0.02}) as e:
         app = build_app(e.router)
@@ -340,7 +340,7 @@ class _SlowControl:
 
 async def test_admin_scale_never_500_never_waits_on_a_busy_lock(tokenizer: Tokenizer) -> None:
     """H2: bad counts are 400, an overlapping scale 409, a worker that cannot start 503."""
-    from router.http_gateway import build_app
+    from router.http import build_app
 
     async with env(tokenizer) as e:
         app = build_app(e.router, control=_SlowControl())

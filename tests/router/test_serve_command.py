@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from pdserve import env
+from pdserve.commands import progress, serve
 from pdserve.commands import router as router_cmd
-from pdserve.commands import serve
 from pdserve.config import ConfigError
 from router.server import bind_socket
 
@@ -120,7 +120,7 @@ async def test_startup_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatc
     err, out = Tty(), io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(sys, "stdout", out)
-    p = serve.StartupProgress(2, "loading")
+    p = progress.StartupProgress(2, "loading")
     assert p.live
     p.start()
     p.line("prefill-0 ready")
@@ -133,7 +133,7 @@ async def test_startup_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatc
 
 
 async def test_startup_progress_in_a_log_prints_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    p = serve.StartupProgress(1, "loading", every_s=0.1)
+    p = progress.StartupProgress(1, "loading", every_s=0.1)
     assert not p.live
     p.start()
     await asyncio.sleep(0.25)

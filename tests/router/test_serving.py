@@ -10,8 +10,9 @@ from fake_workers import EOS, FakeCluster, start_fake_cluster
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+from router.background import drain_background
 from router.errors import BadRequest, ContextLengthExceeded, Overloaded
-from router.lifecycle import LifecycleConfig, drain_background
+from router.lifecycle import LifecycleConfig
 from router.serving import ChoiceDelta, Router, RouterConfig
 
 pytestmark = pytest.mark.timeout(60)

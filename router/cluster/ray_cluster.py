@@ -1,21 +1,10 @@
-"""The worker pool on Ray: launch, register, health-check, restart and scale worker actors.
+"""The worker actors on Ray: launch, register, health-check, restart and scale them.
 
-The only router module that imports Ray (DESIGN §1). Workers are Ray actors
-(``prefill_worker.actor.PrefillActor``, ``decode_worker.actor.DecodeActor``) in the namespace
+Workers are Ray actors (the classes the caller passes: ``prefill_worker.actor.PrefillActor`` and
+``decode_worker.actor.DecodeActor`` for ``pdserve serve``, fakes in tests) in the namespace
 ``pdserve``, each serving gRPC on its own port; the router reaches them only over gRPC, through
-the :class:`router.pool.WorkerPool` this module keeps up to date.
-
-* **Launch**: each actor gets ``cpus_per_worker`` Ray CPUs (the actor sets its torch threads from
-  it) and, on CUDA, a GPU share; ``start()`` returns its :class:`WorkerInfo` (gRPC address, KV
-  endpoint, pool geometry), which goes into the pool and into a small registry actor
-  (``pdserve-registry``) that ``pdserve router`` processes read (:class:`RegistryFollower`).
-* **Health**: every ``health_interval_s`` each actor is pinged over Ray. Ray restarts a dead actor
-  (``max_restarts``); a restarted actor is a fresh process that serves nothing until ``start()``
-  runs again, so when the ping answers but the registered gRPC address refuses connections the
-  actor is started again and re-registered under the same id with its new address. An actor
-  that stays unreachable for ``replace_after_s`` (restarts exhausted) is replaced by a new one.
-* **Scale**: :meth:`RayCluster.scale` adds actors or retires the newest ones (removed from the
-  pool first, so no new request is placed on them, then stopped after a drain delay).
+the :class:`router.pool.WorkerPool` this module keeps up to date. Startup, health and scaling
+rules: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -35,32 +24,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pdserve.config import EngineConfig
 from pdserve.worker_info import WorkerInfo
+from router.cluster.registry import NAMESPACE, live_registry
 from router.errors import Conflict, InsufficientResources
 from router.pool import WorkerPool
 from router.worker_client import ROLES, WorkerClient
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"
 MAX_WORKERS_PER_ROLE = 64  # /admin/scale bound: far beyond one node, catches typos like 2000
-REGISTRY_NAME = "pdserve-registry"
-
-
-@ray.remote(num_cpus=0)
-class WorkerRegistry:
-    """Ray actor holding the current WorkerInfo of every registered worker (for extra routers)."""
-
-    def __init__(self) -> None:
-        self._workers: dict[str, WorkerInfo] = {}
-
-    def put(self, info: WorkerInfo) -> None:
-        self._workers[info.worker_id] = info
-
-    def remove(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
-
-    def list(self) -> list[WorkerInfo]:
-        return list(self._workers.values())
 
 
 @dataclass(frozen=True)
@@ -92,29 +63,31 @@ class ClusterSpec:
             raise ValueError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
 
 
-def local_resources(spec: ClusterSpec) -> tuple[float, float, int]:
-    """(cpus per worker, gpus per worker, CPUs to give a new local Ray) for ``spec``."""
+def local_resources(spec: ClusterSpec) -> tuple[float, int]:
+    """(CPUs per worker, CPUs to give a new local Ray) for ``spec``."""
     n = spec.num_prefill_workers + spec.num_decode_workers
     total = os.cpu_count() or 1
     cpus = spec.cpus_per_worker or max(0.5, total / n)
-    gpus = spec.gpus_per_worker
-    if gpus is None:
-        gpus = 0.0
-        if spec.engine.load.device.startswith("cuda"):
-            import torch  # only to count GPUs; workers own the tensors
-
-            count = torch.cuda.device_count()
-            gpus = min(1.0, count / n) if count else 0.0
     ray_cpus = max(total, int(cpus * n + 0.999))
-    return cpus, gpus, ray_cpus
+    return cpus, ray_cpus
 
 
-def default_actor_classes() -> dict[str, type]:
-    """The real worker actor classes (imported lazily: they pull in torch)."""
-    from decode_worker.actor import DecodeActor
-    from prefill_worker.actor import PrefillActor
+def gpus_per_worker(spec: ClusterSpec) -> float:
+    """GPUs per worker: ``spec.gpus_per_worker``, else on CUDA the GPUs Ray found split among the
+    workers (at most 1 each), else 0. Needs Ray initialised."""
+    if spec.gpus_per_worker is not None:
+        return spec.gpus_per_worker
+    if not spec.engine.load.device.startswith("cuda"):
+        return 0.0
+    count = float(ray.cluster_resources().get("GPU", 0.0))
+    n = spec.num_prefill_workers + spec.num_decode_workers
+    return min(1.0, count / n) if count else 0.0
 
-    return {"prefill": PrefillActor, "decode": DecodeActor}
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray (stopping a local Ray this process started); idempotent."""
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @dataclass
@@ -133,7 +106,9 @@ class _Actor:
 class RayCluster:
     """Owns the worker actors of one ``pdserve serve`` and keeps ``pool`` in step with them.
 
-    ``actor_classes``: role -> actor class (tests inject fakes; default: the real workers).
+    ``actor_classes``: role ('prefill' | 'decode') -> actor class, a plain class (wrapped with
+    ``ray.remote`` here) or a Ray actor class; the caller imports the worker modules, so the router
+    never loads torch.
     ``progress``: called with one human-readable line per startup step. ``on_worker_ready``:
     called each time a worker has loaded and registered (startup progress displays).
     """
@@ -142,8 +117,8 @@ class RayCluster:
         self,
         spec: ClusterSpec,
         pool: WorkerPool,
+        actor_classes: dict[str, type],
         ray_address: str | None = None,
-        actor_classes: dict[str, type] | None = None,
         progress: Callable[[str], None] | None = None,
         on_worker_ready: Callable[[WorkerInfo], None] | None = None,
     ) -> None:
@@ -157,7 +132,8 @@ class RayCluster:
         self._next_index = {"prefill": 0, "decode": 0}
         self._registry: Any = None
         self._monitor: asyncio.Task[None] | None = None
-        self._cpus, self._gpus, self._ray_cpus = local_resources(spec)
+        self._cpus, self._ray_cpus = local_resources(spec)
+        self._gpus = 0.0  # set once Ray is up (init_ray)
         self._lock = asyncio.Lock()
 
     @property
@@ -192,6 +168,7 @@ class RayCluster:
                 f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s "
                 f"(more routers: pdserve router --ray-address {self.gcs_address})"
             )
+        self._gpus = gpus_per_worker(self.spec)
 
     def _init_local_ray(self, attempts: int = 2) -> None:
         """Start a local Ray node. Ray gives its raylet a fixed 30 s to register; on a loaded
@@ -213,9 +190,7 @@ class RayCluster:
                 ray.shutdown()
 
     async def _start_workers(self) -> None:
-        if self._classes is None:
-            self._classes = default_actor_classes()
-        self._registry = await self._live_registry()
+        self._registry = await live_registry()
         self._progress(
             f"launching {self.spec.num_prefill_workers} prefill + {self.spec.num_decode_workers} "
             f"decode workers ({self._cpus:g} CPU, {self._gpus:g} GPU each); loading the model..."
@@ -223,25 +198,6 @@ class RayCluster:
         await self._launch("prefill", self.spec.num_prefill_workers)
         await self._launch("decode", self.spec.num_decode_workers)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
-
-    @staticmethod
-    async def _live_registry(attempts: int = 20) -> Any:
-        """The named registry actor, created if absent. A registry left by an earlier router
-        in the same Ray cluster may still be shutting down (its last handle just went away), and
-        ``get_if_exists`` then hands back the dying actor: probe it and ask again until a live
-        one answers."""
-        for _ in range(attempts):
-            # detached: its lifetime is the cluster's, not that of whichever router object
-            # happened to create it (stop() kills it with the workers it lists)
-            registry = WorkerRegistry.options(  # type: ignore[attr-defined]
-                name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
-            ).remote()
-            try:
-                await registry.list.remote()
-                return registry
-            except RayActorError:
-                await asyncio.sleep(0.25)
-        raise RuntimeError(f"Ray actor {REGISTRY_NAME!r} could not be created")
 
     async def stop(self) -> None:
         """Stop health checks and every actor (best effort, never raises)."""
@@ -260,7 +216,6 @@ class RayCluster:
     # -- launching ------------------------------------------------------------------------------
 
     def _new_actor(self, role: str) -> _Actor:
-        assert self._classes is not None
         idx = self._next_index[role]
         self._next_index[role] += 1
         worker_id = f"{role}-{idx}"
@@ -466,64 +421,3 @@ async def _serving(info: WorkerInfo) -> bool:
         return False
     finally:
         await client.close()
-
-
-class RegistryFollower:
-    """For ``pdserve router``: mirror the registry of an existing cluster into ``pool``.
-
-    ``poll_s``: seconds between registry reads.
-    """
-
-    def __init__(self, pool: WorkerPool, ray_address: str, poll_s: float = 1.0) -> None:
-        self.pool = pool
-        self.ray_address = ray_address
-        self.poll_s = poll_s
-        self._registry: Any = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self, wait_for_workers_s: float = 60.0) -> None:
-        """Join Ray, find the registry, load the workers. Raises RuntimeError if none appear."""
-        if not ray.is_initialized():
-            ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
-        try:
-            self._registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
-        except ValueError:
-            raise RuntimeError(
-                f"no pdserve cluster at {self.ray_address}: actor {REGISTRY_NAME!r} not found "
-                f"in namespace {NAMESPACE!r} (start one with `pdserve serve`)"
-            ) from None
-        end = time.monotonic() + wait_for_workers_s
-        while True:
-            await self.sync()
-            if self.pool.workers("decode"):
-                break
-            if time.monotonic() > end:
-                raise RuntimeError(f"the cluster at {self.ray_address} has no decode worker")
-            await asyncio.sleep(self.poll_s)
-        self._task = asyncio.get_running_loop().create_task(self._follow())
-
-    async def sync(self) -> None:
-        """Read the registry once and apply additions, address changes and removals."""
-        infos: list[WorkerInfo] = await self._registry.list.remote()
-        ids = {i.worker_id for i in infos}
-        for info in infos:
-            self.pool.upsert(info)
-        for w in list(self.pool):
-            if w.worker_id not in ids:
-                self.pool.remove(w.worker_id)
-
-    async def _follow(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            try:
-                await self.sync()
-            except RayActorError:
-                log.error("the cluster's registry is gone; keeping the last known workers")
-            except Exception:  # noqa: BLE001
-                log.exception("registry sync failed")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

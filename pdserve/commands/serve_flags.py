@@ -1,0 +1,161 @@
+"""Command-line flags of `pdserve serve` and `pdserve router`, in argparse groups.
+
+Flag names follow vLLM's ``vllm serve`` where the concept is the same. Every default is read from
+the config dataclass the flag fills (pdserve/config.py), so a default lives in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve import env
+from pdserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServeConfig, TransferConfig
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --served-model-name, --max-model-len."""
+    p.add_argument(
+        "--model", default=LoadConfig.model, help="'smollm2' (bundled), a .gguf file or a HF dir"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: --model's name)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's context length)",
+    )
+
+
+def add_frontend_args(p: argparse.ArgumentParser) -> None:
+    """Gateways, auth and admission flags."""
+    g = p.add_argument_group("gateways")
+    g.add_argument("--host", default=ServeConfig.host, help="address both gateways listen on")
+    g.add_argument("--port", type=int, default=ServeConfig.port, help="HTTP (OpenAI API) port")
+    g.add_argument(
+        "--grpc-port", type=int, default=ServeConfig.grpc_port, help="gRPC (pdserve.v1) port"
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${env.API_KEY} if set)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=ServeConfig.max_queued_requests,
+        help="requests waiting for their first token before new ones get HTTP 429",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=ServeConfig.max_queued_tokens,
+        help="prompt tokens waiting for their first token before new requests get HTTP 429",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=ServeConfig.request_timeout_s,
+        help="seconds before a request is aborted",
+    )
+    g.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help=f"log level (default: ${env.LOG_LEVEL} or info)",
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Per-worker engine flags (vLLM names)."""
+    g = p.add_argument_group("engine (every worker)")
+    g.add_argument(
+        "--load-format", default=LoadConfig.load_format, help="auto | safetensors | gguf | dummy"
+    )
+    g.add_argument(
+        "--dtype",
+        default=LoadConfig.dtype,
+        help="auto (bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32) | float32 | ...",
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument(
+        "--attention-backend",
+        default=LoadConfig.attention_backend,
+        help="auto (triton on CUDA, torch_ref elsewhere) | torch_ref | triton",
+    )
+    g.add_argument(
+        "--seed", type=int, default=LoadConfig.seed, help="seed of --load-format dummy weights"
+    )
+    g.add_argument(
+        "--block-size", type=int, default=CacheConfig.block_size, help="KV block size in tokens"
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=CacheConfig.kv_cache_memory_bytes,
+        help="KV cache size of each worker, in bytes",
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=CacheConfig.num_blocks,
+        help="KV blocks per worker (overrides --kv-cache-memory-bytes; CPU too)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="sequences per step",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="tokens computed per step",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig.enable_prefix_caching,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=TransferConfig.timeout_s,
+        help="seconds per KV send/receive",
+    )
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """Workers and Ray."""
+    g = p.add_argument_group("cluster")
+    g.add_argument(
+        "--mode",
+        default=ServeConfig.mode,
+        choices=["disaggregated", "unified"],
+        help="unified = no prefill workers; decode workers prefill locally",
+    )
+    g.add_argument("--num-prefill-workers", type=int, default=ServeConfig.num_prefill_workers)
+    g.add_argument("--num-decode-workers", type=int, default=ServeConfig.num_decode_workers)
+    g.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="Ray CPUs (and torch threads) per worker (default: the CPUs split evenly)",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help=f"join this Ray cluster (default: ${env.RAY_ADDRESS}, else start a local one)",
+    )
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (the help text says what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)

@@ -1,0 +1,82 @@
+"""One decode attempt: an open ``Decode`` stream on one decode worker, and its wire helpers.
+
+A sequence makes one attempt per placement (the first, and one per re-placement after a
+preemption or a lost worker). The attempt holds the worker's router-side reservation in the
+:class:`router.pool.WorkerPool` until it is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import worker_pb2 as pb
+from router.background import spawn
+from router.pool import WorkerPool, WorkerState
+
+# Errors that mean "this worker is (probably) down", as opposed to "busy" or "bad request".
+WORKER_DOWN = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class DecodeAttempt:
+    """An open Decode stream on one worker (one placement attempt) and its reservation.
+
+    ``blocks``: KV blocks the prompt needs there; ``accepted`` is set by the first event.
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        worker: WorkerState,
+        call: grpc.aio.UnaryStreamCall,
+        attempt_id: str,
+        blocks: int,
+    ) -> None:
+        self.pool = pool
+        self.worker = worker
+        self.call = call
+        self.attempt_id = attempt_id
+        self.blocks = blocks
+        self.accepted: pb.Accepted | None = None
+        self.open = True
+        pool.reserve(worker, blocks=blocks)
+
+    def close(self, abort: bool, timeout_s: float) -> None:
+        """Release the reservation; with ``abort`` cancel the stream and send Abort (in the
+        background, within ``timeout_s`` seconds). Idempotent."""
+        if not self.open:
+            return
+        self.open = False
+        self.pool.release(self.worker)
+        if abort:
+            self.call.cancel()
+            spawn(self.worker.client.abort(self.attempt_id, timeout_s))
+
+
+async def read_event(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> Any:
+    """``await call.read()`` within ``timeout_s`` seconds (raises TimeoutError).
+
+    NOTE: not ``asyncio.wait_for``: on Python 3.11 it returns the result and swallows a
+    cancellation that arrives just as the read completes, so a sequence whose client left would
+    keep decoding to max_tokens. ``asyncio.timeout`` always delivers the cancellation.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await call.read()
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_from_code(value: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` for an integer code (UNKNOWN if out of range)."""
+    return _STATUS_BY_NUMBER.get(value, grpc.StatusCode.UNKNOWN)

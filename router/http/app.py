@@ -1,0 +1,107 @@
+"""The FastAPI application: routes, authentication, the body-size limit and error handlers.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (200 when a decode worker is up, else 503), ``GET /metrics`` (Prometheus text),
+and, with a cluster controller, ``GET /admin/workers`` and ``POST /admin/scale``. With an API key,
+every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401 otherwise);
+``/health`` and ``/metrics`` stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve import metrics
+from router.errors import Unauthorized
+from router.http.admin import ClusterControl, admin_routes
+from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from router.http.errors import install_error_handlers
+from router.http.handlers import OpenAIGateway
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.serving import Router
+
+_STARTED = time.time()
+
+
+def build_app(
+    router: Router,
+    api_key: str | None = None,
+    control: ClusterControl | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI application serving ``router``.
+
+    ``api_key``: require ``Authorization: Bearer <api_key>`` on /v1 and /admin routes.
+    ``control``: enables /admin/workers and /admin/scale. ``max_body_bytes``: larger request
+    bodies get 413 (bytes).
+    """
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    gateway = OpenAIGateway(router)
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def require_key(request: Request) -> None:
+        if expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            raise Unauthorized(
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                "(the key given by --api-key / PDSERVE_API_KEY)"
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await gateway.chat(body, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await gateway.completions(body, request)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": router.model_name,
+                    "object": "model",
+                    "created": int(_STARTED),
+                    "owned_by": "pdserve",
+                    "root": router.model_name,
+                    "max_model_len": router.max_model_len,
+                }
+            ],
+        }
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        decode = router.pool.workers("decode")
+        prefill = router.pool.workers("prefill")
+        ok = bool(decode)
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "unavailable",
+                "decode_workers": len(decode),
+                "prefill_workers": len(prefill),
+            },
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+    if control is not None:
+        app.include_router(admin_routes(control, [Depends(require_key)]))
+    install_error_handlers(app)
+    return app

@@ -1,0 +1,89 @@
+"""HTTP error handlers: every error is ``{"error": {"message", "type", "param", "code"}}``.
+
+400 for bad input (also what FastAPI would report as 422, phrased for API users and naming the
+field), 401, 404, 429 with ``Retry-After``, 500 (an unexpected exception, logged), 503, 504.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve import metrics
+from router.errors import BadRequest, RouterError
+
+log = logging.getLogger(__name__)
+
+# pydantic union-member tags that appear in an error location but name no field
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def error_response(err: RouterError) -> JSONResponse:
+    """The OpenAI-shaped JSON error for ``err`` (with Retry-After when set)."""
+    metrics.REQUEST_ERRORS.labels(code=str(err.status)).inc()
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first pydantic error, phrased for API users."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    if not loc and e.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return (
+            "the request body must be a JSON object (send it with "
+            "'Content-Type: application/json')",
+            None,
+        )
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p in _UNION_TAGS):
+            break  # a pydantic union-member tag, not a field
+        parts.append(str(p))
+    param = ".".join(parts) or None
+    if e.get("type") == "missing":
+        return (f"'{param}' is required" if param else "the request body is required"), param
+    got = e.get("input")
+    shown = "" if isinstance(got, (dict, list, bytes)) else f" (got {_short_repr(got)})"
+    return f"'{param}': {e.get('msg', 'invalid value')}{shown}", param
+
+
+def _short_repr(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters: errors never echo a large input back."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error ``app`` can raise through :func:`error_response`."""
+
+    @app.exception_handler(RouterError)
+    async def on_router_error(_request: Request, exc: RouterError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(BadRequest(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = RouterError(str(exc.detail))
+        err.status = exc.status_code
+        err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(RouterError(f"internal server error: {type(exc).__name__}"))

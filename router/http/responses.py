@@ -1,0 +1,113 @@
+"""OpenAI response bodies: chunks, whole responses, logprobs and usage, as plain dicts.
+
+Shapes follow the OpenAI API reference. Chat logprobs are ``{"content": [{"token", "logprob",
+"bytes", "top_logprobs"}]}``; completion logprobs are ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}``. Bodies are plain dicts (no pydantic round trip on the hot path:
+one chunk per streamed token).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.tokenizer import Tokenizer
+from pdserve.types import SampledToken
+from router.serving import ChoiceDelta, RequestStream
+
+
+def dumps(obj: object) -> str:
+    """Compact JSON, non-ASCII kept as is."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: object) -> str:
+    """One Server-Sent Events ``data:`` event holding ``obj`` as JSON."""
+    return f"data: {dumps(obj)}\n\n"
+
+
+def usage(streams: Sequence[RequestStream]) -> dict[str, Any]:
+    """The ``usage`` object of a request made of ``streams`` (one per prompt)."""
+    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    completion = sum(s.completion_tokens for s in streams)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in streams)},
+    }
+
+
+class Logprobs:
+    """Logprobs bodies; token texts are cached (special tokens shown, as OpenAI does)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one gateway per process
+    def token_text(self, token_id: int) -> str:
+        """Text of one token as OpenAI shows it in logprobs."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat(self, tokens: Sequence[SampledToken], top: int) -> dict[str, Any]:
+        """Chat ``logprobs`` of ``tokens`` with ``top`` alternatives each."""
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            s = self.token_text(tid)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        content = []
+        for t in tokens:
+            item = entry(t.token_id, t.logprob)
+            item["top_logprobs"] = [entry(i, lp) for i, lp in t.top_logprobs[:top]]
+            content.append(item)
+        return {"content": content, "refusal": None}
+
+    def completion(self, tokens: Sequence[SampledToken], top: int, offset: int) -> dict[str, Any]:
+        """Completion ``logprobs``; ``offset``: characters of the choice's text before them."""
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = []
+        for s in texts:
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": texts,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                {self.token_text(i): lp for i, lp in t.top_logprobs[:top]} for t in tokens
+            ],
+            "text_offset": offsets,
+        }
+
+
+def chat_chunk_choice(
+    delta: ChoiceDelta | None, index: int, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One choice of a ``chat.completion.chunk``; ``delta`` None opens the choice with the
+    assistant role."""
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": None}
+    if delta is None:
+        choice["delta"] = {"role": "assistant", "content": ""}
+        return choice
+    choice["delta"] = {"content": delta.text} if delta.text else {}
+    choice["finish_reason"] = delta.finish_reason
+    if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    return choice
+
+
+def completion_chunk_choice(
+    index: int, text: str, delta: ChoiceDelta | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One choice of a streamed ``text_completion``; ``delta`` None for echoed prompt text."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": None if delta is None else delta.finish_reason,
+    }
+    if delta is not None and delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    return choice

@@ -1,0 +1,72 @@
+"""Prompt preparation shared by the gateways: off the event loop, errors naming the field."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from pdserve.tokenizer import Tokenizer, TokenizerError
+from router.errors import BadRequest
+from router.prompts import PromptPreparer, check_text
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RecordingTokenizer:
+    """Wraps a real tokenizer and records the thread each call ran on."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.threads: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return self.inner.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.threads.append(threading.current_thread().name)
+        return self.inner.decode(ids)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        if any(m["role"] == "tool" for m in messages):
+            raise TokenizerError("the chat template does not accept a 'tool' message")
+        return self.inner.apply_chat_template(messages)
+
+
+async def test_work_runs_on_the_tokenize_thread(tokenizer: Tokenizer) -> None:
+    rec = RecordingTokenizer(tokenizer)
+    prompts = PromptPreparer(rec)  # type: ignore[arg-type]
+    try:
+        ids = await prompts.text("Hello there", param="prompt")
+        assert ids == tokenizer.encode("Hello there")
+        chat = await prompts.chat([{"role": "user", "content": "Hi"}], param="messages")
+        assert chat == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+        assert await prompts.decode(ids) == tokenizer.decode(ids)
+    finally:
+        prompts.close()
+    loop_thread = threading.current_thread().name
+    assert len(rec.threads) == 3 and len(set(rec.threads)) == 1
+    assert rec.threads[0].startswith("tokenize") and rec.threads[0] != loop_thread
+
+
+async def test_errors_name_the_field(tokenizer: Tokenizer) -> None:
+    prompts = PromptPreparer(RecordingTokenizer(tokenizer))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(BadRequest) as e:
+            await prompts.chat([{"role": "tool", "content": "x"}], param="chat")
+        assert e.value.param == "chat" and "tool" in e.value.message
+        with pytest.raises(BadRequest) as e:
+            await prompts.text("a\udc80b", param="prompt")
+        assert e.value.param == "prompt" and "U+DC80 at character 1" in e.value.message
+    finally:
+        prompts.close()
+
+
+def test_check_text_accepts_any_valid_unicode() -> None:
+    check_text("héllo 😀 \u4e2d", "prompt")
+    with pytest.raises(BadRequest):
+        check_text("\ud800", "messages")
