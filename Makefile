@@ -5,9 +5,19 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint proto bench clean
+.PHONY: setup browser serve test lint proto bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Debian's chromium for the dashboard's browser test (Playwright drives it; it never downloads a
+# browser). Idempotent; needs root to install, else the test fails saying how to install it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+		else \
+			echo "make: chromium is missing; as root run: apt-get install -y chromium" >&2; \
+		fi; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -69,6 +69,9 @@ class DecodeEngineStats:
     num_preemptions: int
     num_finished: int
     kv_endpoint: str
+    batch_size: float = 0.0  # mean sequences per step over the window
+    generation_tokens: int = 0  # tokens sampled since start
+    transfer_bytes_received: int = 0  # KV bytes received since start
 
 
 class DecodeEngine(WorkerEngine):
@@ -316,7 +319,7 @@ class DecodeEngine(WorkerEngine):
             except ValueError as e:
                 self.scheduler.fail_step(output, str(e))
             self._flush()
-            self._record_step(duration, output.num_sampled)
+            self._record_step(duration, output.num_sampled, len(output.seqs))
         return output.num_scheduled_tokens
 
     # ------------------------------------------------------------------------------- stats
@@ -337,6 +340,9 @@ class DecodeEngine(WorkerEngine):
                 num_preemptions=s.num_preemptions,
                 num_finished=s.num_finished,
                 kv_endpoint=self.kv_endpoint,
+                batch_size=self.window.mean_batch(),
+                generation_tokens=self.window.total_tokens,
+                transfer_bytes_received=self.receiver.stats().bytes if self.receiver else 0,
             )
 
     def check_integrity(self) -> None:

@@ -138,6 +138,21 @@ WORKER_PREFIX_HIT_RATE = Gauge(
     "Prefix-cache hit rate of a prefill worker since start (0..1).",
     _WORKER_LABELS,
 )
+WORKER_STEP_TIME = Gauge(
+    "pdserve_worker_step_time_seconds",
+    "Mean forward step time of the worker over its recent window (GetStats).",
+    _WORKER_LABELS,
+)
+WORKER_BATCH_SIZE = Gauge(
+    "pdserve_worker_batch_size",
+    "Mean sequences (decode) or prompt chunks (prefill) per step over the recent window.",
+    _WORKER_LABELS,
+)
+WORKER_TOKENS_PER_SECOND = Gauge(
+    "pdserve_worker_tokens_per_second",
+    "Tokens computed per second over the recent window: generated (decode), prompt (prefill).",
+    _WORKER_LABELS,
+)
 
 
 def observe_transfer(num_bytes: int, ms: float, outcome: str, path: str) -> None:
@@ -176,6 +191,16 @@ def set_worker_load(
         WORKER_PREFIX_HIT_RATE.labels(**labels).set(prefix_hit_rate)
 
 
+def set_worker_steps(
+    worker_id: str, role: str, step_time_s: float, batch_size: float, tokens_per_s: float
+) -> None:
+    """Publish a worker's polled step shape (seconds, sequences or chunks, tokens/s)."""
+    labels = {"worker_id": worker_id, "role": role}
+    WORKER_STEP_TIME.labels(**labels).set(step_time_s)
+    WORKER_BATCH_SIZE.labels(**labels).set(batch_size)
+    WORKER_TOKENS_PER_SECOND.labels(**labels).set(tokens_per_s)
+
+
 def forget_worker(worker_id: str, role: str) -> None:
     """Drop a removed worker's series so dashboards do not show it forever."""
     for gauge in (
@@ -184,6 +209,9 @@ def forget_worker(worker_id: str, role: str) -> None:
         WORKER_RUNNING,
         WORKER_WAITING,
         WORKER_PREFIX_HIT_RATE,
+        WORKER_STEP_TIME,
+        WORKER_BATCH_SIZE,
+        WORKER_TOKENS_PER_SECOND,
     ):
         try:
             gauge.remove(worker_id, role)

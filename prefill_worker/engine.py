@@ -63,6 +63,9 @@ class PrefillEngineStats:
     num_prefills: int
     transfer_bytes: int
     transfer_failures: int
+    step_time_ms: float = 0.0  # mean forward time per step over the last 10 s, ms
+    batch_size: float = 0.0  # mean prompt chunks per step over the last 10 s
+    prompt_tokens_computed: int = 0  # prompt tokens computed since start
 
 
 @dataclass(eq=False)
@@ -215,7 +218,9 @@ class PrefillEngine(WorkerEngine):
             now = time.monotonic()
             with self._lock:
                 finished = self.scheduler.update_from_output(output, tokens)
-                self._record_step(time.perf_counter() - t0, output.num_scheduled_tokens)
+                self._record_step(
+                    time.perf_counter() - t0, output.num_scheduled_tokens, len(output.seqs)
+                )
                 for seq, token in finished:
                     self._hand_off(seq, token, now)
         except Exception as e:  # noqa: BLE001 - the worker keeps serving the others
@@ -311,7 +316,7 @@ class PrefillEngine(WorkerEngine):
     def stats(self) -> PrefillEngineStats:
         """A consistent snapshot of queue, KV and throughput statistics."""
         with self._lock:
-            _, tokens_per_s = self.window.rates()
+            step_ms, tokens_per_s = self.window.rates()
             queries, hits = self.kv.prefix_cache_stats
             pool = self.kv.block_pool
             return PrefillEngineStats(
@@ -326,6 +331,9 @@ class PrefillEngine(WorkerEngine):
                 num_prefills=self.num_prefills,
                 transfer_bytes=self.transfer_bytes,
                 transfer_failures=self.transfer_failures,
+                step_time_ms=step_ms,
+                batch_size=self.window.mean_batch(),
+                prompt_tokens_computed=self.window.total_tokens,
             )
 
     def request_state(self, request_id: str) -> PrefillState | None:

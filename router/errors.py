@@ -136,3 +136,12 @@ class InsufficientResources(RouterError):
     type = "service_unavailable"
     code = "insufficient_resources"
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RequestNotFound(RouterError):
+    """No record of that request id (never seen, or older than the last N kept)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "request_not_found"
+    grpc_code = grpc.StatusCode.NOT_FOUND

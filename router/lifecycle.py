@@ -33,6 +33,7 @@ from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
+from router.request_log import SequenceTrace
 from router.request_state import TERMINAL, RequestState, check_transition
 from router.request_state import RequestState as S
 
@@ -87,6 +88,7 @@ class RequestLifecycle:
         config: LifecycleConfig,
         deadline: float,
         prefill_policy: PrefillPolicy | None = None,
+        trace: SequenceTrace | None = None,
     ) -> None:
         if sampling.max_tokens is None:
             raise ValueError("sampling.max_tokens must be resolved before the lifecycle starts")
@@ -101,6 +103,10 @@ class RequestLifecycle:
         self.deadline = deadline
         self.policy = prefill_policy or PrefillPolicy()
         self._sampling_pb = rpc.sampling_to_proto(sampling)
+        # the timeline /v1/requests/{id} shows (placements, KV transfers, re-placements)
+        self.trace = trace or SequenceTrace(
+            request_id, 0, len(self.prompt_token_ids), config.block_size, time.monotonic()
+        )
 
         self.state = S.QUEUED
         self.output: list[SampledToken] = []
@@ -198,6 +204,7 @@ class RequestLifecycle:
             return
         self._set(state)
         self.finish_reason = reason
+        self.trace.ended(state.value, reason, len(self.output), str(self.error or ""))
         timeout = self.config.abort_timeout_s
         if self._attempt is not None:
             self._attempt.close(abort=state is not S.FINISHED, timeout_s=timeout)
@@ -213,6 +220,7 @@ class RequestLifecycle:
         accepted = list(tokens[:room])
         if accepted and self.first_token_time is None:
             self.first_token_time = time.monotonic()
+            self.trace.first_token()
         self.output.extend(accepted)
         if len(self.output) >= self.max_tokens and len(tokens) > len(accepted):
             log.warning("%s: worker sent tokens past max_tokens", self.request_id)
@@ -299,6 +307,8 @@ class RequestLifecycle:
         kind = event.WhichOneof("event")
         if kind == "accepted":
             attempt.accepted = event.accepted
+            reserved = event.accepted.num_reserved_blocks or blocks
+            self.trace.decode_reserved(worker.worker_id, attempt_id, reserved, local)
             return attempt
         attempt.close(abort=True, timeout_s=abort_timeout)
         if kind == "error":
@@ -363,6 +373,7 @@ class RequestLifecycle:
         )
         self.pool.reserve(worker, tokens=len(tokens))
         self._prefill_holder = (worker, attempt.attempt_id)
+        self.trace.prefill_started(worker.worker_id, attempt.attempt_id, len(tokens))
         try:
             timeout = min(self._remaining(), self.config.prefill_timeout_s)
             resp = await worker.client.prefill(req, timeout)
@@ -373,6 +384,7 @@ class RequestLifecycle:
             self.pool.release(worker, tokens=len(tokens))
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
+        self.trace.prefill_done(worker.worker_id, resp, len(tokens))
         metrics.observe_prefill(resp.queue_ms, resp.compute_ms, resp.transfer_ms)
         if not self.output:
             self.cached_tokens = resp.cached_tokens
@@ -391,6 +403,7 @@ class RequestLifecycle:
             spawn(worker.client.abort(attempt.attempt_id, self.config.abort_timeout_s))
             self._prefill_holder = None
         self._drop_attempt(abort=True)
+        self.trace.prefill_failed(worker.worker_id, code.name, details)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in WORKER_DOWN:
@@ -476,6 +489,8 @@ class RequestLifecycle:
         self._drop_attempt(abort=False)
         self._left_decode.add(attempt.worker.worker_id)
         self.num_preemptions += 1
+        cause = ev.reason or "preempted by the decode worker"
+        self.trace.replaced("preemption", attempt.worker.worker_id, cause, len(self.output))
         log.info(
             "%s: preempted on %s (%s)", attempt.attempt_id, attempt.worker.worker_id, ev.reason
         )
@@ -489,6 +504,7 @@ class RequestLifecycle:
         self._drop_attempt(abort=True)
         self._left_decode.add(attempt.worker.worker_id)
         self.num_migrations += 1
+        self.trace.replaced("migration", attempt.worker.worker_id, why, len(self.output))
         log.warning(
             "%s: decode %s lost (%s); re-placing", attempt.attempt_id, attempt.worker.worker_id, why
         )

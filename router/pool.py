@@ -237,6 +237,7 @@ class WorkerPool:
 
 def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:
     """Copy a worker's polled stats into the Prometheus gauges."""
+    role = "decode" if isinstance(s, pb.DecodeStats) else "prefill"
     if isinstance(s, pb.DecodeStats):
         used = s.kv_blocks_total - s.kv_blocks_free
         metrics.set_worker_load(
@@ -247,6 +248,7 @@ def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:
             running=s.num_running,
             waiting=s.num_waiting + s.num_waiting_for_kv,
         )
+        tokens_per_s = s.generation_tokens_per_s
     else:
         metrics.set_worker_load(
             worker_id,
@@ -257,3 +259,5 @@ def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:
             waiting=s.num_waiting,
             prefix_hit_rate=s.prefix_cache_hit_rate,
         )
+        tokens_per_s = s.prompt_tokens_per_s
+    metrics.set_worker_steps(worker_id, role, s.step_time_ms / 1e3, s.batch_size, tokens_per_s)

@@ -101,6 +101,7 @@ class Frontend:
                 self._http_task.result()
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
+        self.app.state.monitor.ensure_started()  # dashboard history from the start
         self.capture_signals()
 
     def capture_signals(self) -> None:
@@ -120,6 +121,7 @@ class Frontend:
 
     async def stop(self) -> None:
         """Stop both gateways (in-flight requests get a short grace period)."""
+        await self.app.state.monitor.stop()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             with contextlib.suppress(Exception):

@@ -38,6 +38,9 @@ from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
 from router.prompts import PromptPreparer
+from router.request_id import current_request_id
+from router.request_log import RequestLog
+from router.serving_stats import ServingStats
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,10 @@ class RequestStream:
         self._closed = False
         metrics.REQUESTS_WAITING.inc()
         metrics.REQUESTS_RUNNING.inc()
+        router.stats.request_admitted(len(prompt_token_ids))
+        self.record = router.requests.open(
+            current_request_id() or request_id, request_id, arrival, len(prompt_token_ids), self.n
+        )
 
     @property
     def completion_tokens(self) -> int:
@@ -190,8 +197,11 @@ class RequestStream:
         self._closed = True
         self._release_ticket()
         metrics.REQUESTS_RUNNING.dec()
-        if not self.done and any(not t.done() for t in self._tasks):
+        client_left = not self.done and any(not t.done() for t in self._tasks)
+        if client_left:
             metrics.CLIENT_DISCONNECTS.inc()
+        self.router.stats.request_closed(client_left)
+        self.router.requests.close(self.record)
         for task in self._tasks:
             task.cancel()
 
@@ -232,6 +242,7 @@ class RequestStream:
                     metrics.TTFT.observe(now - self.arrival)
                 else:
                     metrics.ITL.observe(now - last)
+                self.router.stats.token(None if last is None else now - last, now - self.arrival)
                 last = now
                 if held is not None:  # a stop id that did not end the sequence (never expected)
                     self._queue.put_nowait(ChoiceDelta(index, "", (held,)))
@@ -273,9 +284,11 @@ class RequestStream:
         except asyncio.CancelledError:
             await gen.aclose()
             metrics.REQUESTS_ABORTED.inc()
+            self.router.stats.counts["aborted"] += 1
             raise
         except RouterError as e:
             metrics.REQUESTS_ABORTED.inc()
+            self.router.stats.counts["aborted"] += 1
             self._queue.put_nowait(e)
         except Exception as e:  # a router bug: report it as a 500, keep serving
             log.exception("%s: sequence %d failed", self.request_id, index)
@@ -285,6 +298,7 @@ class RequestStream:
                 self._first_token()
             # every token produced counts, however the sequence ended (deadline, error, client)
             metrics.GENERATION_TOKENS.inc(len(lc.output))
+            self.router.stats.counts["generation_tokens"] += len(lc.output)
 
     def _observe(self, lc: RequestLifecycle, reason: str) -> None:
         now = time.monotonic()
@@ -298,10 +312,21 @@ class RequestStream:
         placed = lc.state_times.get(RequestState.PREFILLING)
         if placed is not None:
             metrics.QUEUE_TIME.observe(placed - self.arrival)
+        tpot = None
         if lc.first_token_time is not None and len(lc.output) > 1:
-            metrics.TPOT.observe((now - lc.first_token_time) / (len(lc.output) - 1))
+            tpot = (now - lc.first_token_time) / (len(lc.output) - 1)
+            metrics.TPOT.observe(tpot)
         for rec in lc.transfers:
             metrics.observe_transfer(rec.bytes, rec.ms, rec.outcome, rec.path)
+            self.router.stats.kv_transfer(rec.bytes, rec.path, rec.outcome)
+        self.router.stats.sequence_finished(
+            reason,
+            now - self.arrival,
+            tpot,
+            lc.num_preemptions,
+            lc.num_migrations,
+            lc.cached_tokens,
+        )
 
 
 class Router:
@@ -320,6 +345,8 @@ class Router:
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
         self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
+        self.stats = ServingStats()  # the operators' view (/v1/cluster/status)
+        self.requests = RequestLog()  # per-request records (/v1/requests/{id})
 
     @property
     def model_name(self) -> str:
@@ -363,8 +390,10 @@ class Router:
             raise BadRequest(f"a sampling value does not fit the worker protocol: {e}") from None
         try:
             ticket = self.admission.admit(len(ids) * sampling.n, prompt_param)
-        except Overloaded:
+        except Overloaded as e:
             metrics.REQUESTS_REJECTED.inc()
+            self.stats.request_rejected()
+            self.requests.reject(current_request_id() or request_id, request_id, len(ids), str(e))
             raise
         return RequestStream(self, request_id, ids, sampling, ticket, arrival)
 
@@ -399,4 +428,7 @@ class Router:
             self.config.lifecycle,
             deadline=stream.arrival + self.config.request_timeout_s,
             prefill_policy=self.prefill_policy,
+            trace=stream.record.add_sequence(
+                rid, index, len(stream.prompt_token_ids), self.config.lifecycle.block_size
+            ),
         )

@@ -155,6 +155,14 @@ def test_dashboard_covers_the_operator_essentials() -> None:
         assert name in text, name
 
 
+def test_dashboard_shows_every_exported_metric() -> None:
+    """Every pdserve_ metric family has a Grafana panel (a new metric needs one too)."""
+    text = DASHBOARD.read_text()
+    families = {f.name for f in REGISTRY.collect() if f.name.startswith("pdserve_")}
+    missing = sorted(f for f in families if not re.search(rf"\b{f}(_total|_bucket)?\b", text))
+    assert not missing, f"metrics without a Grafana panel: {missing}"
+
+
 @pytest.mark.parametrize("source", ["dashboard", "rules"])
 def test_queries_use_each_metric_type_correctly(source: str) -> None:
     series = exported_series()

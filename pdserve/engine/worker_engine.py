@@ -143,7 +143,8 @@ class WorkerEngine(ABC):
         self._fail_all(UNAVAILABLE, f"{self.name} is shutting down")
         self._close_transport()
 
-    def _record_step(self, duration_s: float, tokens: int) -> None:
-        """Count a finished step in :attr:`num_steps` and the step window (lock held)."""
+    def _record_step(self, duration_s: float, tokens: int, batch: int) -> None:
+        """Count a finished step of ``batch`` sequences in :attr:`num_steps` and the step window
+        (lock held)."""
         self.num_steps += 1
-        self.window.add(time.monotonic(), duration_s, tokens)
+        self.window.add(time.monotonic(), duration_s, tokens, batch)

@@ -86,7 +86,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_queued_tokens", "num_running", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hit_rate", "prompt_tokens_per_s", "num_prefills", "transfer_bytes", "transfer_failures")
+    __slots__ = ("worker_id", "num_waiting", "num_queued_tokens", "num_running", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hit_rate", "prompt_tokens_per_s", "num_prefills", "transfer_bytes", "transfer_failures", "step_time_ms", "batch_size", "prompt_tokens_computed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,9 @@ class PrefillStats(_message.Message):
     NUM_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_queued_tokens: int
@@ -111,7 +114,10 @@ class PrefillStats(_message.Message):
     num_prefills: int
     transfer_bytes: int
     transfer_failures: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ...) -> None: ...
+    step_time_ms: float
+    batch_size: float
+    prompt_tokens_computed: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "num_output_tokens", "sampling", "prefill_locally", "deadline_unix_ms", "kv_timeout_s")
@@ -188,7 +194,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ..., error: _Optional[_Union[ErrorEvent, _Mapping]] = ...) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting_for_kv", "num_waiting", "kv_blocks_free", "kv_blocks_total", "step_time_ms", "generation_tokens_per_s", "num_preemptions", "num_finished", "kv_endpoint")
+    __slots__ = ("worker_id", "num_running", "num_waiting_for_kv", "num_waiting", "kv_blocks_free", "kv_blocks_total", "step_time_ms", "generation_tokens_per_s", "num_preemptions", "num_finished", "kv_endpoint", "batch_size", "generation_tokens", "transfer_bytes_received")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +206,9 @@ class DecodeStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting_for_kv: int
@@ -211,4 +220,7 @@ class DecodeStats(_message.Message):
     num_preemptions: int
     num_finished: int
     kv_endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., kv_endpoint: _Optional[str] = ...) -> None: ...
+    batch_size: float
+    generation_tokens: int
+    transfer_bytes_received: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., batch_size: _Optional[float] = ..., generation_tokens: _Optional[int] = ..., transfer_bytes_received: _Optional[int] = ...) -> None: ...

@@ -17,13 +17,16 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import metrics
+from router.dashboard import add_operator_routes
 from router.errors import Unauthorized
 from router.http.admin import ClusterControl, admin_routes
 from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.errors import install_error_handlers
 from router.http.handlers import OpenAIGateway
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.request_id import RequestIdMiddleware
 from router.serving import Router
+from router.status import ClusterMonitor
 
 _STARTED = time.time()
 
@@ -42,6 +45,7 @@ def build_app(
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
     gateway = OpenAIGateway(router)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -82,6 +86,9 @@ def build_app(
         }
 
     app.include_router(v1)
+    # operators' view: /v1/cluster/status, /v1/requests/{id}, /dashboard
+    app.state.monitor = ClusterMonitor(router, control)
+    add_operator_routes(app, app.state.monitor, require_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:

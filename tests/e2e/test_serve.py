@@ -218,6 +218,59 @@ def test_disconnect_frees_kv_on_both_workers_within_2s(server: ServeProcess) -> 
         time.sleep(0.05)
 
 
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64. K and V of one 16-token block, in bytes, for
+# the dtypes `--dtype auto` picks on a CPU (float32, or bfloat16 where the CPU has native bf16).
+SMOLLM2_BLOCK_BYTES = {"float32": 2 * 30 * 3 * 64 * 16 * 4, "bfloat16": 2 * 30 * 3 * 64 * 16 * 2}
+KV_CACHE_BYTES = 256 * 1024 * 1024  # --kv-cache-memory-bytes of serve_process.SMALL
+
+
+def test_status_api_and_kv_handoff_record(server: ServeProcess) -> None:
+    """Issue 14 on the real model: the status API counts one more request, returns to idle, and
+    the request's record names both workers and KV bytes = blocks x block bytes."""
+    before = httpx.get(f"{server.url}/v1/cluster/status", headers=AUTH, timeout=30).json()
+    prompt = list(range(1000, 1032))  # 32 tokens = 2 full KV blocks
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True},
+        headers={**AUTH, "x-request-id": "e2e-kv-record"},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "e2e-kv-record"
+    rec = httpx.get(f"{server.url}/v1/requests/e2e-kv-record", headers=AUTH, timeout=30).json()
+    (seq,) = rec["sequences"]
+    assert seq["prefill_worker"].startswith("prefill") and seq["decode_worker"].startswith("decode")
+    (t,) = seq["transfers"]
+    assert t["path"] == "transferred" and t["outcome"] == "ok" and t["blocks"] == 2
+    block_bytes = t["bytes_per_block"]
+    assert block_bytes in SMOLLM2_BLOCK_BYTES.values()
+    assert t["bytes"] == t["blocks"] * block_bytes == seq["kv_bytes_sent"]
+    assert (
+        t["prefill_worker"] == seq["prefill_worker"] and t["decode_worker"] == seq["decode_worker"]
+    )
+    assert seq["output_tokens"] == 8 and seq["finish_reason"] == "length"
+
+    t0 = time.monotonic()
+    while True:
+        st = httpx.get(f"{server.url}/v1/cluster/status", headers=AUTH, timeout=30).json()
+        busy = [w for w in st["workers"] if w["running"] or w["waiting"] or w["kv_usage"] > 0.9]
+        if st["requests"]["running"] == 0 and st["requests"]["waiting"] == 0 and not busy:
+            break
+        assert time.monotonic() - t0 < 2.0, f"status not idle 2 s after the request: {st}"
+        time.sleep(0.05)
+    assert st["requests"]["total"] == before["requests"]["total"] + 1
+    finished = st["requests"]["finished"].get("length", 0)
+    assert finished == before["requests"]["finished"].get("length", 0) + 1
+    assert st["kv_transfers"]["bytes"] == before["kv_transfers"]["bytes"] + t["bytes"]
+    workers = {w["role"]: w for w in st["workers"]}
+    assert workers["prefill"]["kv_bytes_sent"] >= t["bytes"]
+    assert workers["decode"]["kv_bytes_received"] >= t["bytes"]
+    assert workers["decode"]["restarts"] == 0 and workers["decode"]["health"] == "healthy"
+    # the workers sized their pools with the same block bytes: memory // block bytes
+    assert workers["decode"]["kv_blocks_total"] == KV_CACHE_BYTES // block_bytes
+    assert httpx.get(f"{server.url}/v1/cluster/status", timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/dashboard", timeout=30).status_code == 200
+
+
 def test_unified_server_matches_disaggregated_greedy(client: openai.OpenAI) -> None:
     def outputs(c: openai.OpenAI) -> list[str]:
         r = c.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=16, temperature=0)
@@ -229,6 +282,16 @@ def test_unified_server_matches_disaggregated_greedy(client: openai.OpenAI) -> N
         unified.wait_ready()
         uclient = openai.OpenAI(base_url=f"{unified.url}/v1", api_key="none", max_retries=0)
         assert outputs(uclient) == disaggregated
+        r = httpx.post(
+            f"{unified.url}/v1/completions",
+            json={"prompt": list(range(1000, 1032)), "max_tokens": 2},
+            timeout=120,
+        )
+        rec = httpx.get(f"{unified.url}/v1/requests/{r.headers['x-request-id']}").json()
+        (seq,) = rec["sequences"]  # a unified request: KV computed where it is used
+        assert (
+            seq["transfers"] == [] and seq["kv_path"] == "local" and seq["prefill_worker"] is None
+        )
     finally:
         # SIGTERM (what a process manager sends) stops as cleanly as Ctrl-C: no Ray stack dump
         assert unified.stop(sig=signal.SIGTERM) == 0, unified.last_output

@@ -47,7 +47,7 @@ class FakeEngine(WorkerEngine):
             if job is None:
                 raise RuntimeError("injected")
             self.done.append(job)
-            self._record_step(0.001, 1)
+            self._record_step(0.001, 1, 1)
             return 1
 
     def has_work(self) -> bool:
@@ -106,11 +106,12 @@ def test_run_until_idle_steps_in_this_thread() -> None:
 def test_step_window_rates() -> None:
     w = StepWindow(window_s=10.0)
     now = time.monotonic()
-    w.add(now, 0.010, 5)
-    w.add(now, 0.030, 5)
+    w.add(now, 0.010, 5, 2)
+    w.add(now, 0.030, 5, 4)
     step_ms, rate = w.rates(now)
-    assert step_ms == pytest.approx(20.0) and rate > 0
+    assert step_ms == pytest.approx(20.0) and rate > 0 and w.mean_batch(now) == 3.0
     assert w.rates(now + 11) == (0.0, 0.0)  # the steps left the window
+    assert w.mean_batch(now + 11) == 0.0 and w.total_tokens == 10  # the total stays
 
 
 class SlowActor(WorkerActor[FakeEngine]):

@@ -88,7 +88,7 @@ def test_gguf_matches_transformers_gguf_loader(arch: str, tmp_path: Path) -> Non
     assert cfg.eos_token_ids == (2,) and cfg.attention_bias == (arch == "qwen2")
     assert not cfg.tie_word_embeddings
 
-    ours = load_model(LoadConfig(model=str(path)))
+    ours = load_model(LoadConfig(model=str(path), dtype="float32"))
     ref = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).eval()
