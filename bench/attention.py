@@ -61,10 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class Pool:
     """A random paged KV pool for ``seqs`` = [(cached tokens, new tokens)], blocks shuffled, plus
-    a query and new K/V; ``meta`` is the shared step metadata (torch_ref's input)."""
+    a query and new K/V; ``meta`` is torch_ref's step metadata, ``tm`` the triton backend's."""
 
     def __init__(self, args: argparse.Namespace, seqs: list[tuple[int, int]], dev: str) -> None:
-        from pdserve.attention.base import AttentionMetadata
+        from pdserve.attention.base import get_backend
         from pdserve.attention.triton_paged import TritonMetadata
 
         dtype = getattr(torch, args.dtype)
@@ -85,7 +85,7 @@ class Pool:
         self.out = torch.empty_like(self.q)
         self.scale = d**-0.5
         qlens, computed = [n for _, n in seqs], [c for c, _ in seqs]
-        self.meta = AttentionMetadata.build(qlens, computed, tables, bs, dev)
+        self.meta = get_backend("torch_ref").build_metadata(qlens, computed, tables, bs, dev)
         self.tm = TritonMetadata.build(qlens, computed, tables, bs, dev)
 
     def kv_bytes(self) -> int:
@@ -98,7 +98,7 @@ class Pool:
 
         tm = self.tm
         paged_decode_attention(
-            self.q, self.k_cache, self.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc,
+            self.q, self.k_cache, self.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc_i32,
             self.out, self.scale, tm.max_decode_seq_len, num_splits=num_splits,
         )  # fmt: skip
 
@@ -107,7 +107,7 @@ class Pool:
 
         tm = self.tm
         paged_extend_attention(
-            self.q, self.k_cache, self.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc,
+            self.q, self.k_cache, self.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc_i32,
             self.out, self.scale, tm.max_extend_query_len,
         )  # fmt: skip
 

@@ -23,15 +23,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-from pdserve.engine.offline import OfflineEngine
-from pdserve.model.resolve import resolve_model
-from pdserve.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_worker.offline import OfflineEngine  # noqa: E402
+from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig  # noqa: E402
+from pdserve.model.resolve import resolve_model  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

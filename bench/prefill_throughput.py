@@ -126,7 +126,7 @@ def run_engine(
         )
         for i, p in enumerate(prompts)
     ]
-    engine.run_until_idle(timeout=3600)
+    engine.run_until_idle(timeout_s=3600)
     results = [f.result(0) for f in futs]
     dt = time.perf_counter() - t0
     _, h1 = engine.kv.prefix_cache_stats

@@ -9,16 +9,14 @@ It owns the ModelRunner (weights, KV pool, sampler), a :class:`KVCacheManager` o
     step: schedule (expire, admit, decodes + preemption, local prefill chunks)
           ──> runner.execute (one forward; releases the GIL) ──> update ──> events to sinks
 
-Threads: the step loop runs in one background thread (:meth:`start`); requests and aborts come
-from other threads (the gRPC event loop). One re-entrant lock guards the scheduler; the forward
-runs outside it. KV arrivals are completed on the receiver's threads: their callbacks only queue a
-notice and wake the loop (they never take the engine lock, so a receiver that completes futures
-under its own lock cannot deadlock against ``receiver.cancel`` called under ours); the loop
-applies notices at the next step boundary, or within ``idle_poll_s`` when idle. Each request's
-events go to the ``sink`` given to :meth:`add_request`, called with the lock held, in order, never
-after the request's terminal event: sinks must not block (the service hands events to its asyncio
-loop with ``call_soon_threadsafe``). Tests may instead call :meth:`step` directly without
-starting the thread.
+The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
+KV arrivals are completed on the receiver's threads: their callbacks only queue a notice and
+wake the loop (they never take the engine lock, so a receiver that completes futures under its
+own lock cannot deadlock against ``receiver.cancel`` called under ours); the loop applies notices
+at the next step boundary, or within ``idle_poll_s`` when idle. Each request's events go to the
+``sink`` given to :meth:`DecodeEngine.add_request`, called with the lock held, in order, never
+after the request's terminal event: sinks must not block (the service hands events to its
+asyncio loop with ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -27,30 +25,22 @@ import itertools
 import logging
 import queue
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from decode_worker.request import (
+from decode_worker.request import Accepted, DecodeEvent, DecodeRequest, is_terminal
+from decode_worker.scheduler import DecodeScheduler, admission_watermark
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.errors import (
     DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
-    INTERNAL,
-    INVALID_ARGUMENT,
     UNAVAILABLE,
-    Accepted,
-    DecodeEvent,
-    DecodeRequest,
-    RequestRefused,
-    is_terminal,
+    EngineError,
 )
-from decode_worker.scheduler import DecodeScheduler, StepPlan
-from pdserve.config import EngineConfig, ModelConfig
-from pdserve.kv_cache.manager import KVCacheManager
-from pdserve.sampling_params import SamplingError
+from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
@@ -63,9 +53,10 @@ EventSink = Callable[[DecodeEvent], None]
 
 
 @dataclass(frozen=True)
-class DecodeStatsSnapshot:
-    """What GetStats reports. Step time in ms, throughput in generated tokens per second, both
-    over the last ``window_s`` seconds of steps."""
+class DecodeEngineStats:
+    """What GetStats reports. ``num_waiting``: sequences waiting for a batch slot (remote ones
+    whose KV arrived and local prefills). Step time in ms, throughput in generated tokens per
+    second, both over the last 10 s of steps."""
 
     worker_id: str
     num_running: int
@@ -83,40 +74,7 @@ class DecodeStatsSnapshot:
     transfer_bytes_received: int = 0  # KV bytes received since start
 
 
-class _StepWindow:
-    """Recent steps: (end time s, duration s, sampled tokens), kept for ``window_s`` seconds."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self._steps: deque[tuple[float, float, int]] = deque()
-        self._batches: deque[int] = deque()  # sequences per step, parallel to _steps
-        self.total_tokens = 0  # sampled since start
-
-    def add(self, end: float, duration: float, tokens: int, batch: int = 0) -> None:
-        self._steps.append((end, duration, tokens))
-        self._batches.append(batch)
-        self.total_tokens += tokens
-        while self._steps and self._steps[0][0] < end - self.window_s:
-            self._steps.popleft()
-            self._batches.popleft()
-
-    def rates(self, now: float) -> tuple[float, float]:
-        """(mean step ms, generated tokens/s) over the window ending ``now``."""
-        steps = [s for s in self._steps if s[0] >= now - self.window_s]
-        if not steps:
-            return 0.0, 0.0
-        busy_ms = 1000.0 * sum(d for _, d, _ in steps) / len(steps)
-        span = max(now - (steps[0][0] - steps[0][1]), 1e-9)
-        return busy_ms, sum(t for _, _, t in steps) / span
-
-    def mean_batch(self, now: float) -> float:
-        """Mean sequences per step over the window ending ``now`` (0 when idle)."""
-        recent = zip(self._steps, self._batches, strict=True)
-        sizes = [b for s, b in recent if s[0] >= now - self.window_s]
-        return sum(sizes) / len(sizes) if sizes else 0.0
-
-
-class DecodeEngine:
+class DecodeEngine(WorkerEngine):
     """One decode worker's engine.
 
     ``runner``: a ModelRunner (built from ``config``/``model_config`` when None).
@@ -146,18 +104,12 @@ class DecodeEngine:
             from pdserve.engine.runner import ModelRunner
 
             runner = ModelRunner(config, model_config)
-        self.config = config
+        super().__init__(config, runner, name=worker_id, idle_poll_s=idle_poll_s)
         self.worker_id = worker_id
-        self.runner = runner
         self.receiver = receiver
         self.allow_local_prefill = allow_local_prefill
-        self.idle_poll_s = idle_poll_s
         self.clock = clock
         mc = runner.model_config
-        self.max_model_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
-        self.kv = KVCacheManager(
-            runner.num_blocks, runner.block_size, config.cache.enable_prefix_caching
-        )
         self.scheduler = DecodeScheduler(
             self.kv,
             config.scheduler,
@@ -165,11 +117,10 @@ class DecodeEngine:
             vocab_size=mc.vocab_size,
             eos_token_ids=mc.eos_token_ids,
             default_kv_timeout_s=default_kv_timeout_s or config.transfer.timeout_s,
-            watermark_blocks=min(-(-runner.num_blocks // 100), runner.num_blocks - 1),
+            watermark_blocks=admission_watermark(runner.num_blocks),
+            check_sampling=runner.sampler.check,
             clock=clock,
         )
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
         self._kv_notices: queue.SimpleQueue[tuple[str, int, Future[TransferResult]]] = (
             queue.SimpleQueue()
         )
@@ -177,11 +128,7 @@ class DecodeEngine:
         # Transfer ids start at a random base so a restarted worker does not accept KV that was
         # addressed to its previous incarnation. Kept below 2^62 (the header is int64).
         self._transfer_ids = itertools.count(random.getrandbits(40) << 20 | 1)
-        self._window = _StepWindow()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._owns_receiver = False  # build() made it: stop() closes it
-        self.num_steps = 0
+        self._owns_receiver = False  # build() made it: shutdown() closes it
 
     @classmethod
     def build(
@@ -223,54 +170,50 @@ class DecodeEngine:
         """Reserve blocks for ``req`` and register its KV transfer (or queue its local prefill).
 
         ``sink`` receives the request's events from then on (see module docstring). Raises
-        RequestRefused: INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED (no KV room),
-        UNAVAILABLE (stopping, or no receiver for a remote request), FAILED_PRECONDITION (local
-        prefill not allowed here).
+        EngineError: INVALID_ARGUMENT, DEADLINE_EXCEEDED, ALREADY_EXISTS, RESOURCE_EXHAUSTED (no
+        KV room), UNAVAILABLE (shutting down, or no receiver for a remote request),
+        FAILED_PRECONDITION (local prefill not allowed here).
         """
         with self._lock:
-            if self._stopping:
-                raise RequestRefused(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
-            if req.deadline is not None and req.deadline <= self.clock():
-                raise RequestRefused(DEADLINE_EXCEEDED, "request deadline already passed")
+            if self.is_closed:
+                raise EngineError(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
             if req.prefill_locally and not self.allow_local_prefill:
-                raise RequestRefused(
+                raise EngineError(
                     FAILED_PRECONDITION,
                     f"decode worker {self.worker_id} does not prefill locally (unified mode off)",
                 )
             if not req.prefill_locally and self.receiver is None:
-                raise RequestRefused(
-                    UNAVAILABLE, f"decode worker {self.worker_id} has no KV receiver"
-                )
-            try:
-                self.runner.sampler.check(req.sampling)
-            except SamplingError as e:
-                raise RequestRefused(INVALID_ARGUMENT, str(e)) from e
+                raise EngineError(UNAVAILABLE, f"decode worker {self.worker_id} has no KV receiver")
             transfer_id = 0 if req.prefill_locally else next(self._transfer_ids)
             table = self.scheduler.add_request(req, transfer_id)
             self._sinks[req.request_id] = sink
             if not req.prefill_locally:
-                assert self.receiver is not None
-                rid = req.request_id
-                timeout = req.kv_timeout_s or self.scheduler.default_kv_timeout_s
-                deadline = self.clock() + timeout
-                if req.deadline is not None:
-                    deadline = min(deadline, req.deadline)
-                try:
-                    fut = self.receiver.expect(transfer_id, table, deadline)
-                except Exception as e:  # noqa: BLE001 - any receiver failure refuses the request
-                    self._sinks.pop(rid, None)
-                    self.scheduler.abort(rid)
-                    self.scheduler.drain()
-                    raise RequestRefused(UNAVAILABLE, f"KV receiver refused: {e}") from e
-                fut.add_done_callback(lambda f: self._on_kv(rid, transfer_id, f))
+                self._expect_kv(req, transfer_id, table)
             self._flush()
-        self._wake.set()
+        self.wake()
         return Accepted(
             transfer_id=transfer_id,
             kv_endpoint=self.kv_endpoint,
             decode_worker_id=self.worker_id,
             num_reserved_blocks=len(table),
         )
+
+    def _expect_kv(self, req: DecodeRequest, transfer_id: int, table: list[int]) -> None:
+        """Register the reservation with the receiver (lock held); undo the request and raise
+        EngineError(UNAVAILABLE) when the receiver refuses."""
+        assert self.receiver is not None
+        rid = req.request_id
+        deadline = self.clock() + (req.kv_timeout_s or self.scheduler.default_kv_timeout_s)
+        if req.deadline is not None:
+            deadline = min(deadline, req.deadline)
+        try:
+            fut = self.receiver.expect(transfer_id, table, deadline)
+        except Exception as e:  # noqa: BLE001 - any receiver failure refuses the request
+            self._sinks.pop(rid, None)
+            self.scheduler.abort(rid)
+            self.scheduler.drain()
+            raise EngineError(UNAVAILABLE, f"KV receiver refused: {e}") from e
+        fut.add_done_callback(lambda f: self._on_kv(rid, transfer_id, f))
 
     def abort(self, request_id: str) -> bool:
         """Drop ``request_id`` (CANCELLED event), free its blocks, forget its KV transfer.
@@ -285,7 +228,7 @@ class DecodeEngine:
     def _on_kv(self, request_id: str, transfer_id: int, fut: Future[TransferResult]) -> None:
         """Receiver callback (any thread): queue the notice and wake the loop; nothing else."""
         self._kv_notices.put((request_id, transfer_id, fut))
-        self._wake.set()
+        self.wake()
 
     def _apply_kv_notices(self) -> None:
         """Apply queued KV arrivals/failures to the scheduler (lock held)."""
@@ -323,12 +266,23 @@ class DecodeEngine:
                 except Exception:  # noqa: BLE001
                     log.exception("receiver.cancel(%d) raised", tid)
 
+    def _fail_all(self, code: str, message: str) -> None:
+        with self._lock:
+            self._apply_kv_notices()
+            for rid in list(self._sinks):
+                self.scheduler.fail(rid, code, message)
+            self._flush()
+
+    def _close_transport(self) -> None:
+        if self._owns_receiver and self.receiver is not None:
+            self.receiver.close()
+            self._owns_receiver = False
+
     # ------------------------------------------------------------------------------- stepping
-    @property
     def has_work(self) -> bool:
         """True while a step would compute or admit something (or a KV notice is queued)."""
         with self._lock:
-            return self.scheduler.has_work or not self._kv_notices.empty()
+            return self.scheduler.has_work() or not self._kv_notices.empty()
 
     @property
     def num_live(self) -> int:
@@ -337,118 +291,48 @@ class DecodeEngine:
             return len(self._sinks)
 
     def step(self) -> int:
-        """Run one step: schedule, forward, update. Returns the number of sequences computed.
+        """Run one step: apply KV notices, schedule (expiring deadlines), forward, update.
+        Returns the number of tokens computed (0 when nothing ran).
 
         A runner exception fails that step's requests (INTERNAL) and is logged, not raised.
         """
         with self._lock:
             self._apply_kv_notices()
-            plan: StepPlan = self.scheduler.schedule()
+            output = self.scheduler.schedule()
             self._flush()
-            if plan.empty:
-                self.scheduler.update(plan, [])
+            if output.is_empty:
+                self.scheduler.update_from_output(output, [])
                 return 0
         t0 = time.perf_counter()
         try:
-            sampled = self.runner.execute(plan.seqs)
+            sampled = self.runner.execute(output.scheduled)
         except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
-            log.exception("forward failed for %d sequences", len(plan.seqs))
+            log.exception("forward failed for %d sequences", len(output.scheduled))
             with self._lock:
-                self.scheduler.fail_step(plan, f"forward failed: {type(e).__name__}: {e}")
+                self.scheduler.fail_step(output, f"forward failed: {type(e).__name__}: {e}")
                 self._flush()
             return 0
-        t1 = time.perf_counter()
+        duration = time.perf_counter() - t0
         with self._lock:
             try:
-                self.scheduler.update(plan, sampled)
+                self.scheduler.update_from_output(output, sampled)
             except ValueError as e:
-                self.scheduler.fail_step(plan, str(e))
+                self.scheduler.fail_step(output, str(e))
             self._flush()
-            self.num_steps += 1
-            self._window.add(
-                time.monotonic(), t1 - t0, sum(s.sample for s in plan.seqs), len(plan.seqs)
-            )
-        return len(plan.seqs)
-
-    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
-        """Step until nothing is running or ready (KV still awaited does not count).
-
-        Returns the number of steps taken. Raises RuntimeError after ``max_steps`` steps.
-        """
-        for n in range(max_steps):
-            if not self.has_work:
-                return n
-            self.step()
-        raise RuntimeError(f"decode engine still busy after {max_steps} steps")
-
-    def poll(self) -> None:
-        """Apply queued KV notices and expire deadlines without computing (the idle loop's work)."""
-        with self._lock:
-            self._apply_kv_notices()
-            self.scheduler.expire()
-            self._flush()
-
-    def start(self) -> None:
-        """Run the step loop in a background daemon thread. Raises RuntimeError if running."""
-        with self._lock:
-            if self._thread is not None:
-                raise RuntimeError("decode engine loop already started")
-            self._stopping = False
-            self._thread = threading.Thread(
-                target=self._loop, name=f"decode-loop-{self.worker_id}", daemon=True
-            )
-            self._thread.start()
-
-    def is_running(self) -> bool:
-        """True while the background step loop thread is alive."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop, fail every live request (UNAVAILABLE), free its blocks, and close the
-        receiver if :meth:`build` opened it. Idempotent."""
-        with self._lock:
-            self._stopping = True
-            thread, self._thread = self._thread, None
-        self._wake.set()
-        if thread is not None:
-            thread.join(timeout_s)
-        with self._lock:
-            self._apply_kv_notices()
-            for rid in list(self._sinks):
-                self.scheduler.fail(rid, UNAVAILABLE, f"decode worker {self.worker_id} stopped")
-            self._flush()
-            if self._owns_receiver and self.receiver is not None:
-                self.receiver.close()
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            self._wake.clear()  # before looking at the state, so no wake-up is lost
-            self.poll()
-            if not self.has_work:
-                self._wake.wait(self.idle_poll_s)
-                continue
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - keep serving; the step's requests were failed
-                log.exception("decode step failed")
-                with self._lock:
-                    for rid in list(self._sinks):
-                        self.scheduler.fail(rid, INTERNAL, "internal error in the decode loop")
-                    self._flush()
+            self._record_step(duration, output.num_sampled, len(output.seqs))
+        return output.num_scheduled_tokens
 
     # ------------------------------------------------------------------------------- stats
-    def stats(self) -> DecodeStatsSnapshot:
-        """A consistent snapshot of the engine's counters (see DecodeStatsSnapshot)."""
+    def stats(self) -> DecodeEngineStats:
+        """A consistent snapshot of the engine's counters (see DecodeEngineStats)."""
         with self._lock:
             s = self.scheduler
-            now = time.monotonic()
-            step_ms, tok_s = self._window.rates(now)
-            return DecodeStatsSnapshot(
+            step_ms, tok_s = self.window.rates()
+            return DecodeEngineStats(
                 worker_id=self.worker_id,
                 num_running=s.num_running,
                 num_waiting_for_kv=s.num_waiting_for_kv,
-                num_waiting=s.num_waiting_local,
+                num_waiting=s.num_waiting,
                 kv_blocks_free=self.kv.num_free_blocks,
                 kv_blocks_total=self.kv.num_blocks,
                 step_time_ms=step_ms,
@@ -456,11 +340,9 @@ class DecodeEngine:
                 num_preemptions=s.num_preemptions,
                 num_finished=s.num_finished,
                 kv_endpoint=self.kv_endpoint,
-                batch_size=self._window.mean_batch(now),
-                generation_tokens=self._window.total_tokens,
-                transfer_bytes_received=self.receiver.stats().bytes
-                if self.receiver is not None
-                else 0,
+                batch_size=self.window.mean_batch(),
+                generation_tokens=self.window.total_tokens,
+                transfer_bytes_received=self.receiver.stats().bytes if self.receiver else 0,
             )
 
     def check_integrity(self) -> None:

@@ -1,10 +1,9 @@
 """What enters and leaves the decode engine (plain dataclasses, no torch, no protobuf).
 
-A decode request carries token ids only. After a preemption or migration the router re-sends the
-request with the tokens generated so far appended to the prompt and ``num_output_tokens`` naming
-how many trailing prompt tokens are output: they count towards ``max_tokens``, feed the
-presence/frequency penalties, and key the seeded generator, so the continuation is the same as if
-the request had never moved.
+A decode request is an :class:`~pdserve.engine.request.EngineRequest` (token ids, sampling,
+earlier outputs after a preemption or migration, deadline) plus how its prompt KV arrives.
+Refusals are :class:`~pdserve.engine.errors.EngineError`; later failures end the stream with an
+ErrorEvent carrying the same status-code names.
 
 Per-request event stream (DESIGN §4), in order:
 
@@ -20,40 +19,22 @@ token 1 itself and streams it like any other token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.types import SampledToken
 
-# Terminal error codes, named after grpc.StatusCode members; the service maps them to the wire.
-CANCELLED = "CANCELLED"
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-INTERNAL = "INTERNAL"
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-UNAVAILABLE = "UNAVAILABLE"
-ALREADY_EXISTS = "ALREADY_EXISTS"
-FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
+@dataclass(frozen=True, kw_only=True)
+class DecodeRequest(EngineRequest):
+    """One request as the decode engine sees it (fields of EngineRequest, then keyword-only ones).
 
-@dataclass(frozen=True)
-class DecodeRequest:
-    """One request as the decode engine sees it.
-
-    ``prompt_token_ids``: the prompt, followed by the ``num_output_tokens`` tokens generated so far
-    when the request is resumed after a preemption. ``prefill_locally``: unified mode (compute the
-    prompt's KV here) instead of waiting for a KV transfer. ``deadline``: absolute wall time in
-    seconds since the epoch (``time.time()`` scale) after which everything is freed; None = none.
-    ``kv_timeout_s``: seconds a reservation waits for its KV before it is released (None = the
-    engine default).
+    ``prefill_locally``: unified mode (compute the prompt's KV here) instead of waiting for a KV
+    transfer. ``kv_timeout_s``: seconds a reservation waits for its KV before it is released
+    (None = the engine default).
     """
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    num_output_tokens: int = 0
     prefill_locally: bool = False
-    deadline: float | None = None
     kv_timeout_s: float | None = None
 
 
@@ -66,16 +47,6 @@ class Accepted:
     kv_endpoint: str
     decode_worker_id: str
     num_reserved_blocks: int
-
-
-class RequestRefused(Exception):
-    """The engine cannot take a request. ``code``: INVALID_ARGUMENT | RESOURCE_EXHAUSTED |
-    UNAVAILABLE | ALREADY_EXISTS | FAILED_PRECONDITION (grpc.StatusCode names)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -107,7 +78,7 @@ class PreemptedEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    """The request failed. ``code``: a grpc.StatusCode name (see module constants)."""
+    """The request failed. ``code``: a grpc.StatusCode name (``pdserve.engine.errors``)."""
 
     code: str
     message: str
@@ -119,18 +90,3 @@ DecodeEvent = TokensEvent | FinishedEvent | PreemptedEvent | ErrorEvent
 def is_terminal(event: DecodeEvent) -> bool:
     """True for the events that end a request's stream."""
     return not isinstance(event, TokensEvent)
-
-
-@dataclass
-class EventBatch:
-    """Events produced by one scheduler call, in emission order: (request_id, event)."""
-
-    events: list[tuple[str, DecodeEvent]] = field(default_factory=list)
-
-    def add(self, request_id: str, event: DecodeEvent) -> None:
-        """Append one event for ``request_id``."""
-        self.events.append((request_id, event))
-
-    def extend(self, other: EventBatch) -> None:
-        """Append every event of ``other``."""
-        self.events.extend(other.events)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict
 
 import grpc
 
@@ -24,10 +25,11 @@ from decode_worker.request import (
     DecodeRequest,
     FinishedEvent,
     PreemptedEvent,
-    RequestRefused,
     TokensEvent,
 )
 from pdserve import rpc
+from pdserve.engine.actor import serve_grpc
+from pdserve.engine.errors import EngineError
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -93,7 +95,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
         try:
             acc = self.engine.add_request(req, sink)
-        except RequestRefused as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         done = False
         try:
@@ -125,24 +127,9 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeStats:
-        """Engine counters (see DecodeStatsSnapshot)."""
-        s = self.engine.stats()
-        return pb.DecodeStats(
-            worker_id=s.worker_id,
-            num_running=s.num_running,
-            num_waiting_for_kv=s.num_waiting_for_kv,
-            num_waiting=s.num_waiting,
-            kv_blocks_free=s.kv_blocks_free,
-            kv_blocks_total=s.kv_blocks_total,
-            step_time_ms=s.step_time_ms,
-            generation_tokens_per_s=s.generation_tokens_per_s,
-            num_preemptions=s.num_preemptions,
-            num_finished=s.num_finished,
-            kv_endpoint=s.kv_endpoint,
-            batch_size=s.batch_size,
-            generation_tokens=s.generation_tokens,
-            transfer_bytes_received=s.transfer_bytes_received,
-        )
+        """Engine counters (see DecodeEngineStats)."""
+        # NOTE: DecodeEngineStats' fields are named as the message's, so a new one fails here
+        return pb.DecodeStats(**asdict(self.engine.stats()))
 
 
 def add_to_server(engine: DecodeEngine, server: grpc.aio.Server) -> DecodeService:
@@ -163,11 +150,4 @@ async def serve(
     ``interceptors``: e.g. the internal-token check (pdserve/auth.py). Starts the engine's step
     loop too. Returns (server, "host:port"). Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server(interceptors=list(interceptors))
-    add_to_server(engine, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the decode gRPC server to {host}:{port}")
-    engine.start()
-    await server.start()
-    return server, f"{host}:{bound}"
+    return await serve_grpc(engine, lambda s: add_to_server(engine, s), host, port, interceptors)

@@ -7,11 +7,10 @@ prompt (gather its blocks into ``[layers, 2, tokens, kv_heads, head_dim]``, ``KV
 When a send completes the request's blocks are freed; they stay in the pool as evictable prefix
 cache. See ``prefill_worker/request.py`` for the per-request state machine.
 
-Threading: every engine mutation (add, abort, schedule, post-processing, send completions)
-happens under one re-entrant lock; the forward runs outside it, so ``add_request``/``abort``
-from other threads (the gRPC event loop) never wait for a forward. ``start()`` runs the step
-loop in one background thread (the model's matmuls release the GIL); tests may instead call
-``step()`` themselves. Callers wait on the ``concurrent.futures.Future`` ``add_request`` returns.
+The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
+Callers wait on the ``concurrent.futures.Future`` ``add_request`` returns. Send completions
+arrive on the sender's threads; they only queue a notice and wake the loop, which applies them
+at the next step boundary.
 
 NOTE: an abort during a forward frees the request's blocks while the forward may still write
 into them. That is safe: new blocks are only handed out by ``schedule()`` on the step thread,
@@ -22,39 +21,31 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
-from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.kv_cache.manager import KVCacheManager
-from pdserve.sampling_params import SamplingError
-from pdserve.types import SampledToken
-from prefill_worker.request import (
+from pdserve.engine.errors import (
     ALREADY_EXISTS,
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
-    INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
-    PrefillError,
-    PrefillRequest,
-    PrefillResult,
-    PrefillState,
+    EngineError,
 )
+from pdserve.engine.worker_engine import WorkerEngine
+from pdserve.types import SampledToken
+from prefill_worker.request import PrefillRequest, PrefillResult, PrefillState
 from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 
 if TYPE_CHECKING:
     from pdserve.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_RATE_WINDOW_S = 10.0  # window of the prompt tokens/s statistic, seconds
 
 
 @dataclass(frozen=True)
@@ -88,17 +79,7 @@ class _Pending:
     send_started: float = 0.0
 
 
-@dataclass
-class _Counters:
-    num_prefills: int = 0
-    transfer_bytes: int = 0
-    transfer_failures: int = 0
-    steps: deque[tuple[float, int]] = field(default_factory=deque)  # (end time, tokens)
-    shapes: deque[tuple[float, float, int]] = field(default_factory=deque)  # (end, s, chunks)
-    prompt_tokens_computed: int = 0
-
-
-class PrefillEngine:
+class PrefillEngine(WorkerEngine):
     """Chunked, batched prefill with automatic prefix caching and KV hand-off.
 
     ``runner``: the ModelRunner (weights, KV pool, sampler). ``sender``: the KV transport; may be
@@ -106,29 +87,24 @@ class PrefillEngine:
     """
 
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, sender: KVSender | None = None
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        sender: KVSender | None = None,
+        *,
+        name: str = "prefill",
     ) -> None:
-        self.config = config
-        self.runner = runner
+        super().__init__(config, runner, name=name)
         self.sender = sender
-        self.kv = KVCacheManager(
-            runner.num_blocks, runner.block_size, config.cache.enable_prefix_caching
-        )
         self.scheduler = PrefillScheduler(config.scheduler, self.kv)
-        mc = runner.model_config
-        self.max_model_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
-        self._lock = threading.RLock()
         self._pending: dict[str, _Pending] = {}
         self._completions: queue.SimpleQueue[tuple[_Pending, Future[TransferRecord]]] = (
             queue.SimpleQueue()
         )
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._counters = _Counters()
-        self._started_at = time.monotonic()
         self._owns_sender = False
-        self._closed = False
+        self.num_prefills = 0
+        self.transfer_bytes = 0
+        self.transfer_failures = 0
 
     @classmethod
     def build(
@@ -136,6 +112,8 @@ class PrefillEngine:
         config: EngineConfig,
         model_config: ModelConfig | None = None,
         sender: KVSender | None = None,
+        *,
+        name: str = "prefill",
     ) -> PrefillEngine:
         """Load the model per ``config.load`` (``model_config`` for dummy weights) and wrap it.
 
@@ -148,92 +126,60 @@ class PrefillEngine:
 
         runner = ModelRunner(config, model_config)
         if sender is not None:
-            return cls(config, runner, sender)
+            return cls(config, runner, sender, name=name)
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
-        engine = cls(config, runner, make_sender(config.transfer, layout, device=runner.device))
+        sender = make_sender(config.transfer, layout, device=runner.device)
+        engine = cls(config, runner, sender, name=name)
         engine._owns_sender = True
         return engine
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: PrefillRequest) -> Future[PrefillResult]:
         """Validate and queue a prefill. Returns a future resolving to a PrefillResult, or failing
-        with PrefillError (CANCELLED on abort, DEADLINE_EXCEEDED, UNAVAILABLE when the KV send
+        with EngineError (CANCELLED on abort, DEADLINE_EXCEEDED, UNAVAILABLE when the KV send
         fails, INTERNAL when the forward raised).
 
-        Raises PrefillError at once: INVALID_ARGUMENT (empty prompt, a token id outside the
-        vocabulary, a prompt leaving no room for one output token under the model limit, bad
-        ``num_output_tokens``, a stop token id outside the vocabulary), RESOURCE_EXHAUSTED (the
-        prompt needs more KV blocks than the pool has), ALREADY_EXISTS (id in use), UNAVAILABLE
-        (a target but no KV sender, or the engine was shut down), DEADLINE_EXCEEDED (deadline
-        already past).
+        Raises EngineError at once: INVALID_ARGUMENT (see ``EngineRequest.validate``),
+        RESOURCE_EXHAUSTED (the prompt needs more KV blocks than the pool has), ALREADY_EXISTS
+        (id in use), UNAVAILABLE (a target but no KV sender, or the engine was shut down),
+        DEADLINE_EXCEEDED (deadline already past).
         """
-        if self._closed:
-            raise PrefillError(UNAVAILABLE, "prefill worker is shutting down")
-        self._validate(request)
+        if self.is_closed:
+            raise EngineError(UNAVAILABLE, f"{self.name} is shutting down")
+        request.validate(
+            vocab_size=self.runner.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            check_sampling=self.runner.sampler.check,
+            now=time.time(),
+        )
+        n = len(request.prompt_token_ids)
+        need = self.kv.num_blocks_needed(n)
+        if need > self.kv.num_blocks:
+            raise EngineError(
+                RESOURCE_EXHAUSTED,
+                f"prompt of {n} tokens needs {need} KV blocks; this worker has {self.kv.num_blocks}",
+            )
+        if request.target is not None and self.sender is None:
+            raise EngineError(UNAVAILABLE, f"{self.name} has no KV sender configured")
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
             if request.request_id in self._pending:
-                raise PrefillError(
+                raise EngineError(
                     ALREADY_EXISTS, f"request {request.request_id!r} is already being prefilled"
                 )
             seq = PrefillSeq(request)
             self.scheduler.add(seq)
             self._pending[request.request_id] = _Pending(seq, fut)
-        self._wake.set()
+        self.wake()
         return fut
-
-    def _validate(self, request: PrefillRequest) -> None:
-        tokens = request.prompt_token_ids
-        n = len(tokens)
-        if n == 0:
-            raise PrefillError(INVALID_ARGUMENT, "prompt_token_ids is empty")
-        vocab = self.runner.model_config.vocab_size
-        lo, hi = min(tokens), max(tokens)
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise PrefillError(
-                INVALID_ARGUMENT,
-                f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})",
-            )
-        if n >= self.max_model_len:
-            raise PrefillError(
-                INVALID_ARGUMENT,
-                f"prompt has {n} tokens; the model limit is {self.max_model_len} tokens "
-                f"(max_model_len), so at most {self.max_model_len - 1} prompt tokens fit",
-            )
-        k = request.num_output_tokens
-        if not 0 <= k < n:
-            raise PrefillError(
-                INVALID_ARGUMENT, f"num_output_tokens must be in [0, {n}) for {n} tokens, got {k}"
-            )
-        max_tokens = request.sampling.max_tokens
-        if max_tokens is not None and k >= max_tokens:
-            raise PrefillError(
-                INVALID_ARGUMENT,
-                f"num_output_tokens ({k}) already reaches max_tokens ({max_tokens})",
-            )
-        try:
-            self.runner.sampler.check(request.sampling)
-        except SamplingError as e:
-            raise PrefillError(INVALID_ARGUMENT, str(e)) from None
-        need = self.kv.num_blocks_needed(n)
-        if need > self.kv.num_blocks:
-            raise PrefillError(
-                RESOURCE_EXHAUSTED,
-                f"prompt of {n} tokens needs {need} KV blocks; this worker has {self.kv.num_blocks}",
-            )
-        if request.target is not None and self.sender is None:
-            raise PrefillError(UNAVAILABLE, "this prefill worker has no KV sender configured")
-        if request.deadline is not None and request.deadline <= time.time():
-            raise PrefillError(DEADLINE_EXCEEDED, "request deadline already passed")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request at any stage, freeing everything it holds; its future fails with
         CANCELLED. Idempotent: returns whether the request was live."""
-        return self._fail(request_id, PrefillError(CANCELLED, f"request {request_id!r} aborted"))
+        return self._fail(request_id, EngineError(CANCELLED, f"request {request_id!r} aborted"))
 
-    def _fail(self, request_id: str, error: PrefillError) -> bool:
+    def _fail(self, request_id: str, error: EngineError) -> bool:
         with self._lock:
             p = self._pending.pop(request_id, None)
             if p is None:
@@ -242,6 +188,15 @@ class PrefillEngine:
         if not p.future.done():
             p.future.set_exception(error)
         return True
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for rid in list(self._pending):
+            self._fail(rid, EngineError(code, message))
+
+    def _close_transport(self) -> None:
+        if self._owns_sender and self.sender is not None:
+            self.sender.close()
+            self._owns_sender = False
 
     # ----------------------------------------------------------------------------- the step
     def has_work(self) -> bool:
@@ -254,29 +209,26 @@ class PrefillEngine:
         with self._lock:
             self._drain_completions()
             self._expire_deadlines()
-            chunks = self.scheduler.schedule()
-        if not chunks:
+            output = self.scheduler.schedule()
+        if output.is_empty:
             return 0
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         try:
-            tokens = self.runner.execute([c.batch for c in chunks])
-        except Exception as e:  # the worker keeps serving the others
+            tokens = self.runner.execute(output.scheduled)
+            now = time.monotonic()
+            with self._lock:
+                finished = self.scheduler.update_from_output(output, tokens)
+                self._record_step(
+                    time.perf_counter() - t0, output.num_scheduled_tokens, len(output.seqs)
+                )
+                for seq, token in finished:
+                    self._hand_off(seq, token, now)
+        except Exception as e:  # noqa: BLE001 - the worker keeps serving the others
             logger.exception("prefill forward failed")
-            for c in chunks:
-                self._fail(c.seq.request_id, PrefillError(INTERNAL, f"prefill forward failed: {e}"))
+            for seq in output.seqs:
+                self._fail(seq.request_id, EngineError(INTERNAL, f"prefill forward failed: {e}"))
             return 0
-        now = time.monotonic()
-        num = sum(len(c.batch.token_ids) for c in chunks)
-        with self._lock:
-            self._counters.steps.append((now, num))
-            self._counters.shapes.append((now, now - t0, len(chunks)))
-            self._counters.prompt_tokens_computed += num
-            sampled = {
-                c.seq.request_id: t for c, t in zip(chunks, tokens, strict=True) if t is not None
-            }
-            for seq in self.scheduler.on_computed(chunks):
-                self._hand_off(seq, sampled[seq.request_id], now)
-        return num
+        return output.num_scheduled_tokens
 
     def _hand_off(self, seq: PrefillSeq, token: SampledToken, now: float) -> None:
         """Token 1 is sampled: gather the KV and send it (or finish at once without a target)."""
@@ -286,9 +238,9 @@ class PrefillEngine:
         if target is None:
             self._complete(p, None)
             return
-        assert self.sender is not None  # checked in _validate
+        assert self.sender is not None  # checked in add_request
         table = self.kv.block_table(seq.request_id)
-        kv = self.runner.kv_pool.gather(table, seq.num_tokens)  # [L, 2, T, H, D], a copy
+        kv = self.runner.kv_pool.gather(table, seq.num_prompt_tokens)  # [L, 2, T, H, D], a copy
         # NOTE: on CUDA the gather is queued on the compute stream and the sender moves it on its
         # own stream after an event (kv_transfer.sender_core), overlapping the next prefill
         p.send_started = time.monotonic()
@@ -297,13 +249,13 @@ class PrefillEngine:
                 target.kv_endpoint, target.transfer_id, kv, token.token_id, token.logprob
             )
         except Exception as e:
-            self._counters.transfer_failures += 1
-            self._fail(seq.request_id, PrefillError(UNAVAILABLE, f"KV send failed: {e}"))
+            self.transfer_failures += 1
+            self._fail(seq.request_id, EngineError(UNAVAILABLE, f"KV send failed: {e}"))
             return
 
         def done(f: Future[TransferRecord], p: _Pending = p) -> None:
             self._completions.put((p, f))
-            self._wake.set()
+            self.wake()
 
         fut.add_done_callback(done)
 
@@ -318,19 +270,19 @@ class PrefillEngine:
                 continue  # aborted while sending; its blocks are already free
             exc = f.exception()
             if exc is not None:
-                self._counters.transfer_failures += 1
-                self._fail(rid, PrefillError(UNAVAILABLE, f"KV transfer failed: {exc}"))
+                self.transfer_failures += 1
+                self._fail(rid, EngineError(UNAVAILABLE, f"KV transfer failed: {exc}"))
                 continue
             record = f.result()
             if record.outcome is not TransferOutcome.OK:
                 # 'dropped': the decode worker held no reservation (it gave the request up).
-                self._counters.transfer_failures += 1
+                self.transfer_failures += 1
                 reason = f": {record.error}" if record.error else ""
                 self._fail(
-                    rid, PrefillError(UNAVAILABLE, f"KV transfer {record.outcome.value}{reason}")
+                    rid, EngineError(UNAVAILABLE, f"KV transfer {record.outcome.value}{reason}")
                 )
                 continue
-            self._counters.transfer_bytes += int(record.bytes)
+            self.transfer_bytes += int(record.bytes)
             self._complete(p, record)
 
     def _complete(self, p: _Pending, record: TransferRecord | None) -> None:
@@ -341,7 +293,7 @@ class PrefillEngine:
         result = PrefillResult(
             request_id=seq.request_id,
             token=p.token,
-            num_prompt_tokens=seq.num_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached,
             queue_ms=(seq.first_scheduled - seq.arrival) * 1e3,
             compute_ms=(p.sampled_at - seq.first_scheduled) * 1e3,
@@ -350,7 +302,7 @@ class PrefillEngine:
         )
         del self._pending[seq.request_id]
         self.scheduler.finish(seq.request_id)
-        self._counters.num_prefills += 1
+        self.num_prefills += 1
         p.future.set_result(result)
 
     def _expire_deadlines(self) -> None:
@@ -358,74 +310,13 @@ class PrefillEngine:
         for rid, p in list(self._pending.items()):
             d = p.seq.request.deadline
             if d is not None and d <= now:
-                self._fail(rid, PrefillError(DEADLINE_EXCEEDED, f"request {rid!r} deadline passed"))
-
-    # ----------------------------------------------------------------------------- the loop
-    def start(self) -> None:
-        """Run the step loop in a background daemon thread (idempotent)."""
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
-        self._thread.start()
-
-    def is_running(self) -> bool:
-        """True while the background step loop thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()
-            try:
-                computed = self.step()
-            except Exception as e:  # a bug: fail what is live, keep serving new requests
-                logger.exception("prefill engine step failed")
-                for rid in list(self._pending):
-                    self._fail(rid, PrefillError(INTERNAL, f"prefill engine step failed: {e}"))
-                computed = 0
-            if computed == 0:
-                # Idle or only sends in flight: sleep until a request, an abort or a send
-                # completion arrives (or 50 ms pass, to expire deadlines).
-                self._wake.wait(0.05)
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop thread, fail every live request with UNAVAILABLE, and close the KV
-        sender when the engine built it."""
-        self._closed = True
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        for rid in list(self._pending):
-            self._fail(rid, PrefillError(UNAVAILABLE, "prefill worker shutting down"))
-        if self._owns_sender and self.sender is not None:
-            self.sender.close()
-            self._owns_sender = False
-
-    def run_until_idle(self, timeout: float = 60.0) -> None:
-        """Step until no request is live (for tests and offline use, without ``start()``).
-        Raises TimeoutError after ``timeout`` seconds."""
-        end = time.monotonic() + timeout
-        while self.has_work():
-            if time.monotonic() > end:
-                raise TimeoutError(f"prefill engine still busy after {timeout} s")
-            self._wake.clear()
-            if self.step() == 0 and self.has_work():
-                self._wake.wait(0.01)
+                self._fail(rid, EngineError(DEADLINE_EXCEEDED, f"request {rid!r} deadline passed"))
 
     # ----------------------------------------------------------------------------- stats
     def stats(self) -> PrefillEngineStats:
         """A consistent snapshot of queue, KV and throughput statistics."""
         with self._lock:
-            now = time.monotonic()
-            steps = self._counters.steps
-            while steps and steps[0][0] < now - _RATE_WINDOW_S:
-                steps.popleft()
-            shapes = self._counters.shapes
-            while shapes and shapes[0][0] < now - _RATE_WINDOW_S:
-                shapes.popleft()
-            span = min(_RATE_WINDOW_S, max(now - self._started_at, 1e-3))
+            step_ms, tokens_per_s = self.window.rates()
             queries, hits = self.kv.prefix_cache_stats
             pool = self.kv.block_pool
             return PrefillEngineStats(
@@ -436,13 +327,13 @@ class PrefillEngine:
                 kv_blocks_total=pool.num_blocks,
                 kv_blocks_cached=pool.num_cached_blocks,
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
-                prompt_tokens_per_s=sum(n for _, n in steps) / span,
-                num_prefills=self._counters.num_prefills,
-                transfer_bytes=self._counters.transfer_bytes,
-                transfer_failures=self._counters.transfer_failures,
-                step_time_ms=1e3 * sum(d for _, d, _ in shapes) / len(shapes) if shapes else 0.0,
-                batch_size=sum(n for _, _, n in shapes) / len(shapes) if shapes else 0.0,
-                prompt_tokens_computed=self._counters.prompt_tokens_computed,
+                prompt_tokens_per_s=tokens_per_s,
+                num_prefills=self.num_prefills,
+                transfer_bytes=self.transfer_bytes,
+                transfer_failures=self.transfer_failures,
+                step_time_ms=step_ms,
+                batch_size=self.window.mean_batch(),
+                prompt_tokens_computed=self.window.total_tokens,
             )
 
     def request_state(self, request_id: str) -> PrefillState | None:

@@ -1,9 +1,8 @@
 """What enters and leaves the prefill engine (plain dataclasses: no torch, no protobuf).
 
-A prefill request carries token ids only. For a re-prefill after a preemption or migration the
-router sends ``prompt + tokens generated so far`` with ``num_output_tokens`` naming how many
-trailing ids are output: they feed the presence/frequency penalties and key the seeded generator
-at the right position, so the next token is the one the decode worker would have sampled.
+A prefill request is an :class:`~pdserve.engine.request.EngineRequest` (token ids, sampling,
+earlier outputs on a re-prefill, deadline) plus where its KV goes. Errors are
+:class:`~pdserve.engine.errors.EngineError`.
 
 Lifecycle of one request inside the engine (``PrefillState``)::
 
@@ -18,29 +17,11 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
     from kv_transfer.base import TransferRecord
-
-# Error codes, named after grpc.StatusCode members; the service maps them to the wire.
-CANCELLED = "CANCELLED"
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-INTERNAL = "INTERNAL"
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-UNAVAILABLE = "UNAVAILABLE"
-ALREADY_EXISTS = "ALREADY_EXISTS"
-
-
-class PrefillError(Exception):
-    """A request was refused or failed. ``code`` is a grpc.StatusCode name (module constants)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class PrefillState(enum.Enum):
@@ -61,22 +42,15 @@ class KVTarget:
     decode_worker_id: str = ""
 
 
-@dataclass(frozen=True)
-class PrefillRequest:
-    """One prefill.
+@dataclass(frozen=True, kw_only=True)
+class PrefillRequest(EngineRequest):
+    """One prefill (fields of EngineRequest, then keyword-only ones).
 
-    ``prompt_token_ids``: the prompt (plus generated tokens on a re-prefill). ``target``: the
-    decode worker to send the KV to; None keeps the KV here as prefix cache only (offline
-    benchmarks, cache warm-up) and the result carries no transfer record. ``deadline``: absolute
-    ``time.time()`` seconds after which the engine drops the request; None = none.
+    ``target``: the decode worker to send the KV to; None keeps the KV here as prefix cache only
+    (offline benchmarks, cache warm-up) and the result carries no transfer record.
     """
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
     target: KVTarget | None = None
-    num_output_tokens: int = 0
-    deadline: float | None = None
 
 
 @dataclass(frozen=True)

@@ -34,49 +34,27 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.batch import ScheduledSeq
+from pdserve.engine.batch import SchedulerOutput
+from pdserve.engine.sequence import EngineSeq
 from pdserve.kv_cache.manager import KVCacheManager
+from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
 
 
 @dataclass(eq=False)
-class PrefillSeq:
-    """A request's progress. ``num_computed``: tokens whose KV is in the pool (cache hits
-    included). ``num_cached``: tokens served from the prefix cache at admission. Times are
-    ``time.monotonic()`` seconds."""
+class PrefillSeq(EngineSeq[PrefillRequest]):
+    """A prefill's progress (see EngineSeq). Times are ``time.monotonic()`` seconds."""
 
-    request: PrefillRequest
     arrival: float = field(default_factory=time.monotonic)
     state: PrefillState = PrefillState.WAITING
-    num_computed: int = 0
-    num_cached: int = 0
     first_scheduled: float | None = None
 
-    @property
-    def request_id(self) -> str:
-        """The request's id."""
-        return self.request.request_id
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens to prefill (prompt plus earlier output on a re-prefill)."""
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def remaining(self) -> int:
-        """Tokens not yet computed."""
-        return self.num_tokens - self.num_computed
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's share of a step: ``seq`` computes ``batch.token_ids`` next."""
-
-    seq: PrefillSeq
-    batch: ScheduledSeq
+PrefillOutput = SchedulerOutput[PrefillSeq]
 
 
 class PrefillScheduler:
@@ -115,7 +93,9 @@ class PrefillScheduler:
     @property
     def num_queued_tokens(self) -> int:
         """Prompt tokens of waiting and running requests not yet computed."""
-        return sum(s.remaining for s in self._waiting) + sum(s.remaining for s in self._running)
+        return sum(s.num_remaining_prompt_tokens for s in self._waiting) + sum(
+            s.num_remaining_prompt_tokens for s in self._running
+        )
 
     def has_unscheduled_work(self) -> bool:
         """True when a ``schedule()`` call could produce chunks."""
@@ -153,7 +133,7 @@ class PrefillScheduler:
         return seq
 
     # ----------------------------------------------------------------------------- scheduling
-    def schedule(self, now: float | None = None) -> list[ScheduledChunk]:
+    def schedule(self, now: float | None = None) -> PrefillOutput:
         """Pick this step's chunks (see the module docstring). Admits waiting requests.
 
         ``now``: ``time.monotonic()`` seconds used for ``first_scheduled`` (default: now).
@@ -171,8 +151,8 @@ class PrefillScheduler:
         for seq in self._running:
             if budget == 0 or len(picks) >= cfg.max_num_seqs:
                 break
-            n = min(seq.remaining, budget)
-            if is_long(seq.remaining):
+            n = min(seq.num_remaining_prompt_tokens, budget)
+            if is_long(seq.num_remaining_prompt_tokens):
                 n = min(n, long_left)
                 long_left -= n
             if n > 0:
@@ -183,7 +163,7 @@ class PrefillScheduler:
             if budget == 0 or len(picks) >= cfg.max_num_seqs:
                 break
             blocks, cached = self._lookup(seq)
-            remaining = seq.num_tokens - cached
+            remaining = seq.num_prompt_tokens - cached
             if is_long(remaining) and long_left == 0:
                 passed_over.append(seq)  # keeps its place; shorter prompts behind it may run
                 continue
@@ -205,7 +185,7 @@ class PrefillScheduler:
                 have = picks.get(seq, 0)
                 if have == 0 and len(picks) >= cfg.max_num_seqs:
                     continue
-                extra = min(seq.remaining - have, budget)
+                extra = min(seq.num_remaining_prompt_tokens - have, budget)
                 if extra > 0:
                     picks[seq] = have + extra
                     budget -= extra
@@ -215,31 +195,31 @@ class PrefillScheduler:
                 blocks, cached = self._lookup(seq)
                 if not self._admit(seq, blocks, cached):
                     break
-                n = min(seq.remaining, budget)
+                n = min(seq.num_remaining_prompt_tokens, budget)
                 picks[seq] = n
                 budget -= n
 
         t = time.monotonic() if now is None else now
-        out: list[ScheduledChunk] = []
+        out = PrefillOutput()
         for seq in self._running:  # emit in arrival (admission) order
             n = picks.get(seq, 0)
             if n == 0:
                 continue
             if seq.first_scheduled is None:
                 seq.first_scheduled = t
-            out.append(ScheduledChunk(seq, self._batch_entry(seq, n)))
+            out.add(seq, seq.schedule(n, self.kv.block_table(seq.request_id)))
         return out
 
     def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
         """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted."""
-        return self.kv.get_computed_blocks(seq.request.prompt_token_ids, record_stats=False)
+        return self.kv.get_computed_blocks(seq.token_ids, record_stats=False)
 
     def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:
         """Reserve blocks for the whole prompt, reusing the cached ``blocks`` (looked up just
         before, with no allocation in between). WAITING -> RUNNING; False when no room."""
-        if self.kv.allocate_slots(seq.request_id, seq.num_tokens, blocks) is None:
+        if self.kv.allocate_slots(seq.request_id, seq.num_prompt_tokens, blocks) is None:
             return False
-        self.kv.record_prefix_query(seq.num_tokens, cached)  # the hit rate counts admissions
+        self.kv.record_prefix_query(seq.num_prompt_tokens, cached)  # the hit rate counts admissions
         seq.num_cached = cached
         seq.num_computed = cached
         seq.state = PrefillState.RUNNING
@@ -247,38 +227,33 @@ class PrefillScheduler:
         self._running.append(seq)
         return True
 
-    def _batch_entry(self, seq: PrefillSeq, n: int) -> ScheduledSeq:
-        req = seq.request
-        tokens = req.prompt_token_ids
-        k = req.num_output_tokens
-        start = seq.num_computed
-        return ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=list(tokens[start : start + n]),
-            num_computed=start,
-            block_table=self.kv.block_table(req.request_id),
-            sample=start + n == len(tokens),
-            sampling=req.sampling,
-            prompt_token_ids=list(tokens[: len(tokens) - k]),
-            output_token_ids=list(tokens[len(tokens) - k :]) if k else [],
-        )
-
-    def on_computed(self, chunks: list[ScheduledChunk]) -> list[PrefillSeq]:
-        """Record that ``chunks`` ran: advance progress, register newly full blocks in the prefix
-        cache. Returns the requests whose prompt is now complete (moved RUNNING -> SENDING).
-        Chunks of requests removed meanwhile (aborted during the forward) are ignored."""
-        done: list[PrefillSeq] = []
-        for ch in chunks:
-            seq = ch.seq
+    def update_from_output(
+        self, output: PrefillOutput, sampled: Sequence[SampledToken | None]
+    ) -> list[tuple[PrefillSeq, SampledToken]]:
+        """Record that ``output`` ran (``sampled[i]`` for ``output.scheduled[i]``): advance
+        progress, register newly full blocks in the prefix cache. Returns the requests whose
+        prompt is now complete (moved RUNNING -> SENDING) with their token 1. Sequences removed
+        meanwhile (aborted during the forward) are skipped. Raises ValueError when ``sampled``
+        does not match ``output`` (nothing is applied then)."""
+        if len(sampled) != len(output.scheduled) or any(
+            tok is None for sch, tok in zip(output.scheduled, sampled, strict=True) if sch.sample
+        ):
+            raise ValueError(
+                f"runner returned {len(sampled)} results for {len(output.scheduled)} sequences"
+                " or no token for a sampled one"
+            )
+        done: list[tuple[PrefillSeq, SampledToken]] = []
+        for seq, sch, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
             if self._by_id.get(seq.request_id) is not seq or seq.state is not PrefillState.RUNNING:
                 continue
-            seq.num_computed = ch.batch.num_tokens_after
-            self.kv.cache_blocks(seq.request_id, seq.request.prompt_token_ids, seq.num_computed)
-            if seq.remaining == 0:
+            seq.num_computed = sch.num_tokens_after
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
+            if seq.num_remaining_prompt_tokens == 0:
+                assert tok is not None  # checked above: the last chunk samples
                 self._running.remove(seq)
                 seq.state = PrefillState.SENDING
                 self._sending[seq.request_id] = seq
-                done.append(seq)
+                done.append((seq, tok))
         return done
 
     def finish(self, request_id: str) -> PrefillSeq | None:

@@ -13,21 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import asdict
 
 import grpc
 
 from pdserve import rpc
+from pdserve.engine.actor import serve_grpc
+from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from prefill_worker.engine import PrefillEngine
-from prefill_worker.request import (
-    INVALID_ARGUMENT,
-    KVTarget,
-    PrefillError,
-    PrefillRequest,
-    PrefillResult,
-)
+from prefill_worker.request import KVTarget, PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +32,17 @@ log = logging.getLogger(__name__)
 def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
     """Wire request -> engine request. ``deadline_unix_ms`` 0 means none.
 
-    Raises PrefillError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
+    Raises EngineError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
     a missing KV target.
     """
     try:
         sampling = rpc.sampling_from_proto(m.sampling)
     except SamplingError as e:
-        raise PrefillError(INVALID_ARGUMENT, str(e)) from None
+        raise EngineError(INVALID_ARGUMENT, str(e)) from None
     if not m.request_id:
-        raise PrefillError(INVALID_ARGUMENT, "'request_id' is empty")
+        raise EngineError(INVALID_ARGUMENT, "'request_id' is empty")
     if not m.HasField("target") or not m.target.kv_endpoint:
-        raise PrefillError(
+        raise EngineError(
             INVALID_ARGUMENT, "'target.kv_endpoint' is required: where to send the KV"
         )
     return PrefillRequest(
@@ -94,7 +91,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         try:
             req = request_from_proto(request)
             fut = self.engine.add_request(req)
-        except PrefillError as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         try:
             result = await asyncio.wrap_future(fut)
@@ -103,7 +100,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             if self.engine.abort(req.request_id):
                 log.info("prefill RPC for %s cancelled; request aborted", req.request_id)
             raise
-        except PrefillError as e:
+        except EngineError as e:
             await context.abort(rpc.status_code(e.code), e.message)
         return result_to_proto(result)
 
@@ -117,24 +114,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillStats:
         """Queue, KV, prefix-cache and throughput counters (see PrefillEngineStats)."""
-        s = self.engine.stats()
-        return pb.PrefillStats(
-            worker_id=self.worker_id,
-            num_waiting=s.num_waiting,
-            num_queued_tokens=s.num_queued_tokens,
-            num_running=s.num_running,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_cached=s.kv_blocks_cached,
-            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            prompt_tokens_per_s=s.prompt_tokens_per_s,
-            num_prefills=s.num_prefills,
-            transfer_bytes=s.transfer_bytes,
-            transfer_failures=s.transfer_failures,
-            step_time_ms=s.step_time_ms,
-            batch_size=s.batch_size,
-            prompt_tokens_computed=s.prompt_tokens_computed,
-        )
+        # NOTE: PrefillEngineStats' fields are named as the message's, so a new one fails here
+        return pb.PrefillStats(worker_id=self.worker_id, **asdict(self.engine.stats()))
 
 
 def add_to_server(engine: PrefillEngine, server: grpc.aio.Server, worker_id: str) -> PrefillService:
@@ -156,11 +137,6 @@ async def serve(
     ``interceptors``: e.g. the internal-token check (pdserve/auth.py). Starts the engine's step
     loop too. Returns (server, "host:port"). Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server(interceptors=list(interceptors))
-    add_to_server(engine, server, worker_id)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the prefill gRPC server to {host}:{port}")
-    engine.start()
-    await server.start()
-    return server, f"{host}:{bound}"
+    return await serve_grpc(
+        engine, lambda s: add_to_server(engine, s, worker_id), host, port, interceptors
+    )

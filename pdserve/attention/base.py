@@ -1,4 +1,4 @@
-"""Attention metadata for one mixed batch, and the attention backend interface + registry.
+"""The attention backend interface (+ registry) and the metadata every backend shares.
 
 A step's batch is *flat packed*: the query tokens of every scheduled sequence are concatenated
 (``num_tokens`` rows), sequence ``i`` owning rows ``query_start_loc[i]:query_start_loc[i + 1]``.
@@ -7,10 +7,19 @@ tokens whose KV is already in the pool) or decodes one token. Its KV lives in fi
 the paged pool named by its block table; token ``p`` of the sequence is stored at slot
 ``block_table[p // block_size] * block_size + p % block_size`` (the *slot mapping*).
 
-Everything that does not depend on the layer (index tensors, masks) is built once per step by
-:meth:`AttentionMetadata.build` and shared by all layers. A backend (``torch_ref`` here) writes the
-new K/V into the pool by slot mapping and attends each query over its sequence's context: causal
-within the chunk, full over the earlier tokens.
+How a backend plugs in (``torch_ref`` is the reference):
+
+* Once per step the runner calls ``backend.build_metadata(query_lens, num_computed,
+  block_tables, block_size, device)`` with plain per-sequence numbers (Python ints and lists).
+  The backend returns an :class:`AttentionMetadata` (usually a subclass with its own fields:
+  index tensors, masks, kernel launch sizes). :meth:`FlatBatch.build` validates the inputs and
+  makes the CPU index tensors every backend needs (positions, slot mapping, query start
+  offsets, the 0-padded block table), so a backend only adds what it reads itself.
+* The model reads only the common fields: ``positions`` (RoPE) and ``query_start_loc`` (which
+  rows to compute logits for); every layer passes the same metadata object to
+  ``backend.forward``, which writes the layer's new K/V into the pool at ``slot_mapping`` and
+  returns the attention output (causal within a chunk, full over the earlier tokens).
+* ``@register_backend("name")`` on the class makes it available to ``get_backend("name")``.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -25,65 +35,51 @@ from pdserve.config import ConfigError
 
 
 @dataclass(frozen=True)
-class PrefillSpan:
-    """A sequence attended on its own: a prefill chunk (``query_len > 1``, from position 0 or
-    after cached tokens) or a one-token prompt.
-
-    ``start``/``end``: its query rows in the flat batch. ``num_computed``: tokens already in the
-    pool before this step. ``seq_len``: ``num_computed + (end - start)``. ``block_ids``: the blocks
-    covering ``seq_len`` tokens, int64 [ceil(seq_len / block_size)]. ``mask``: bool
-    [query_len, seq_len] (True = may attend) when the chunk continues after cached tokens, else
-    None (plain causal attention over the chunk itself).
-    """
-
-    start: int
-    end: int
-    num_computed: int
-    seq_len: int
-    block_ids: torch.Tensor
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step attention inputs shared by every layer.
+    """Per-step inputs shared by every layer; a backend subclasses it to add its own fields.
 
-    Tensors (all on the model's device):
-      positions:       int64 [num_tokens]  position of each token in its sequence (for RoPE).
-      slot_mapping:    int64 [num_tokens]  pool slot of each new token's K/V.
+    Tensors (on the model's device):
+      positions:       int64 [num_tokens]   position of each token in its sequence (for RoPE).
+      slot_mapping:    int64 [num_tokens]   pool slot of each new token's K/V.
       query_start_loc: int64 [num_seqs + 1] cumulative query lengths.
-      seq_lens:        int64 [num_seqs]    context length after this step (cached + new tokens).
-      block_tables:    int64 [num_seqs, max_blocks] padded with 0 (padding is never attended).
-    Decode group (sequences with one query token and cached context), batched:
-      decode_rows:     int64 [num_decodes] their rows in the flat batch.
-      decode_blocks:   int64 [num_decodes, max_decode_blocks] their block tables (0-padded).
-      decode_mask:     bool  [num_decodes, 1, 1, max_decode_blocks * block_size] True = real token.
-      decode_bias:     float32, same shape: 0 where decode_mask, -inf elsewhere (added to scores).
-    ``prefills``: the other sequences, attended one by one (one SDPA call per sequence, never per
-    token). ``block_size`` in tokens.
+    ``block_size`` in tokens.
     """
 
     block_size: int
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    decode_rows: torch.Tensor
-    decode_blocks: torch.Tensor
-    decode_mask: torch.Tensor
-    prefills: tuple[PrefillSpan, ...]
-    decode_bias: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
         """Rows of the flat batch."""
         return int(self.slot_mapping.shape[0])
 
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """A step's validated per-sequence inputs and the index tensors derived from them, on the
+    CPU (a backend moves what it reads to its device).
+
+    ``query_lens`` / ``num_computed``: per sequence, tokens computed now / already in the pool.
+    Tensors: ``block_tables`` int64 [num_seqs, max_blocks] (0-padded; padding is never read),
+    ``query_start_loc`` int64 [num_seqs + 1], ``seq_lens`` int64 [num_seqs] (cached + new
+    tokens), ``positions`` and ``slot_mapping`` int64 [num_tokens].
+    """
+
+    block_size: int
+    query_lens: list[int]
+    num_computed: list[int]
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+
     @property
-    def num_decodes(self) -> int:
-        """Sequences in the batched decode group."""
-        return int(self.decode_rows.shape[0])
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.query_lens)
 
     @classmethod
     def build(
@@ -92,14 +88,11 @@ class AttentionMetadata:
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
-        device: str | torch.device = "cpu",
-    ) -> AttentionMetadata:
-        """Build the metadata from per-sequence plain numbers.
-
-        ``query_lens[i] >= 1`` tokens are computed for sequence ``i`` at positions
-        ``num_computed[i] ..``; ``block_tables[i]`` must cover ``num_computed[i] + query_lens[i]``
-        tokens. Raises ValueError naming the sequence index when a length or block table is bad.
-        """
+    ) -> FlatBatch:
+        """Validate and index a step: ``query_lens[i] >= 1`` tokens are computed for sequence
+        ``i`` at positions ``num_computed[i] ..``; ``block_tables[i]`` must cover
+        ``num_computed[i] + query_lens[i]`` tokens. Raises ValueError naming the sequence index
+        when a length or block table is bad."""
         n = len(query_lens)
         if not (len(num_computed) == len(block_tables) == n):
             raise ValueError(
@@ -127,52 +120,45 @@ class AttentionMetadata:
         c_t = torch.tensor(ctx, dtype=torch.int64)
         qsl = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(q_t, 0, out=qsl[1:])
-        seq_lens = c_t + q_t
         # per token: its sequence and position (vectorised, no per-token Python)
         seq_of = torch.repeat_interleave(torch.arange(n), q_t)
         positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of] + c_t[seq_of]
         slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+        return cls(block_size, qlens, ctx, tables, qsl, c_t + q_t, positions, slots)
 
-        decode_idx = [i for i in range(n) if qlens[i] == 1 and ctx[i] > 0]
-        prefills = []
-        for i in range(n):
-            q, c = qlens[i], ctx[i]
-            if q == 1 and c > 0:
-                continue
-            mask = None
-            if c > 0:
-                # query row r sits at position c + r and may see keys 0 .. c + r
-                mask = torch.arange(c + q)[None, :] <= (c + torch.arange(q))[:, None]
-                mask = mask.to(device)
-            start = int(qsl[i])
-            blocks = tables[i, : -(-(c + q) // block_size)].to(device)
-            prefills.append(PrefillSpan(start, start + q, c, c + q, blocks, mask))
-
-        d_idx = torch.tensor(decode_idx, dtype=torch.int64)
-        d_seq_lens = seq_lens[d_idx]
-        d_nblocks = int(-(-int(d_seq_lens.max()) // block_size)) if decode_idx else 1
-        d_mask = torch.arange(d_nblocks * block_size)[None, :] < d_seq_lens[:, None]
-        d_mask = d_mask.view(len(decode_idx), 1, 1, d_nblocks * block_size)
-        d_bias = torch.zeros(d_mask.shape).masked_fill_(~d_mask, float("-inf"))
-        return cls(
-            block_size=block_size,
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
-            query_start_loc=qsl.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=tables.to(device),
-            decode_rows=qsl[d_idx].to(device),
-            decode_blocks=tables[d_idx, :d_nblocks].to(device),
-            decode_mask=d_mask.to(device),
-            prefills=tuple(prefills),
-            decode_bias=d_bias.to(device),
-        )
+    def common(self, device: str | torch.device) -> dict[str, Any]:
+        """The :class:`AttentionMetadata` fields on ``device``, as keyword arguments for a
+        backend's metadata constructor."""
+        return {
+            "block_size": self.block_size,
+            "positions": self.positions.to(device),
+            "slot_mapping": self.slot_mapping.to(device),
+            "query_start_loc": self.query_start_loc.to(device),
+        }
 
 
-class AttentionBackend(ABC):
-    """Writes a layer's new K/V into the paged pool and attends over each sequence's context."""
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionBackend(ABC, Generic[M]):
+    """Builds its per-step metadata, then writes each layer's new K/V into the paged pool and
+    attends over each sequence's context (see the module docstring)."""
 
     name: str = ""
+
+    @abstractmethod
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> M:
+        """The step's metadata, shared by every layer. ``query_lens[i] >= 1`` tokens are
+        computed for sequence ``i`` at positions ``num_computed[i] ..``; ``block_tables[i]``
+        (physical block ids) covers ``num_computed[i] + query_lens[i]`` tokens of ``block_size``
+        per block. Raises ValueError naming the sequence index for a bad length or table."""
 
     @abstractmethod
     def forward(
@@ -182,7 +168,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: M,
         scale: float,
     ) -> torch.Tensor:
         """One layer's attention over a flat packed batch.
@@ -194,15 +180,16 @@ class AttentionBackend(ABC):
         """
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+_BACKENDS: dict[str, Callable[[], AttentionBackend[Any]]] = {}
 
 
-def register_backend(
-    name: str,
-) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+B = TypeVar("B", bound=type[AttentionBackend[Any]])
+
+
+def register_backend(name: str) -> Callable[[B], B]:
     """Class decorator: make a backend available as ``get_backend(name)``."""
 
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    def deco(cls: B) -> B:
         cls.name = name
         _BACKENDS[name] = cls
         return cls
@@ -210,7 +197,7 @@ def register_backend(
     return deco
 
 
-def get_backend(name: str = "torch_ref") -> AttentionBackend:
+def get_backend(name: str = "torch_ref") -> AttentionBackend[Any]:
     """A new backend instance by name. Raises ConfigError naming the known backends."""
     # importing the implementations registers them
     from pdserve.attention import torch_ref, triton_paged  # noqa: F401

@@ -15,10 +15,57 @@ this project's CPU machine), and float32 scores are also more accurate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.attention.base import AttentionBackend, AttentionMetadata, register_backend
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, FlatBatch, register_backend
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """A sequence attended on its own: a prefill chunk (``query_len > 1``, from position 0 or
+    after cached tokens) or a one-token prompt.
+
+    ``start``/``end``: its query rows in the flat batch. ``num_computed``: tokens already in the
+    pool before this step. ``seq_len``: ``num_computed + (end - start)``. ``block_ids``: the blocks
+    covering ``seq_len`` tokens, int64 [ceil(seq_len / block_size)]. ``mask``: bool
+    [query_len, seq_len] (True = may attend) when the chunk continues after cached tokens, else
+    None (plain causal attention over the chunk itself).
+    """
+
+    start: int
+    end: int
+    num_computed: int
+    seq_len: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TorchRefMetadata(AttentionMetadata):
+    """The common metadata plus torch_ref's own (tensors on the model's device).
+
+    Decode group (sequences with one query token and cached context), batched:
+      decode_rows:   int64 [num_decodes] their rows in the flat batch.
+      decode_blocks: int64 [num_decodes, max_decode_blocks] their block tables (0-padded).
+      decode_bias:   float32 [num_decodes, 1, 1, max_decode_blocks * block_size]: 0 for a real
+                     context token, -inf for padding (added to the scores).
+    ``prefills``: the other sequences, attended one by one (one SDPA call per sequence, never per
+    token).
+    """
+
+    decode_rows: torch.Tensor
+    decode_blocks: torch.Tensor
+    decode_bias: torch.Tensor
+    prefills: tuple[PrefillSpan, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        """Sequences in the batched decode group."""
+        return int(self.decode_rows.shape[0])
 
 
 def write_kv(
@@ -73,8 +120,49 @@ def _sdpa(
 
 
 @register_backend("torch_ref")
-class TorchRefBackend(AttentionBackend):
+class TorchRefBackend(AttentionBackend[TorchRefMetadata]):
     """SDPA over gathered blocks (CPU and CUDA; exact reference for other backends)."""
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> TorchRefMetadata:
+        """Split the batch into the decode group and per-sequence prefill spans (see
+        TorchRefMetadata). Raises ValueError like :meth:`FlatBatch.build`."""
+        b = FlatBatch.build(query_lens, num_computed, block_tables, block_size)
+        qlens, ctx, tables = b.query_lens, b.num_computed, b.block_tables
+        decode_idx = [i for i in range(b.num_seqs) if qlens[i] == 1 and ctx[i] > 0]
+        prefills = []
+        for i in range(b.num_seqs):
+            q, c = qlens[i], ctx[i]
+            if q == 1 and c > 0:
+                continue
+            mask = None
+            if c > 0:
+                # query row r sits at position c + r and may see keys 0 .. c + r
+                mask = torch.arange(c + q)[None, :] <= (c + torch.arange(q))[:, None]
+                mask = mask.to(device)
+            start = int(b.query_start_loc[i])
+            blocks = tables[i, : -(-(c + q) // block_size)].to(device)
+            prefills.append(PrefillSpan(start, start + q, c, c + q, blocks, mask))
+
+        d_idx = torch.tensor(decode_idx, dtype=torch.int64)
+        d_seq_lens = b.seq_lens[d_idx]
+        d_nblocks = int(-(-int(d_seq_lens.max()) // block_size)) if decode_idx else 1
+        d_real = torch.arange(d_nblocks * block_size)[None, :] < d_seq_lens[:, None]
+        d_real = d_real.view(len(decode_idx), 1, 1, d_nblocks * block_size)
+        d_bias = torch.zeros(d_real.shape).masked_fill_(~d_real, float("-inf"))
+        return TorchRefMetadata(
+            **b.common(device),
+            decode_rows=b.query_start_loc[d_idx].to(device),
+            decode_blocks=tables[d_idx, :d_nblocks].to(device),
+            decode_bias=d_bias.to(device),
+            prefills=tuple(prefills),
+        )
 
     def forward(
         self,
@@ -83,7 +171,7 @@ class TorchRefBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: TorchRefMetadata,
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -110,7 +198,7 @@ class TorchRefBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: TorchRefMetadata,
         scale: float,
     ) -> torch.Tensor:
         """q [num_decodes, H, D] -> [num_decodes, H, D] over each sequence's gathered context.

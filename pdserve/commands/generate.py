@@ -1,8 +1,9 @@
 """`pdserve generate`: offline batched generation in this process (no Ray, no servers).
 
 Every ``--prompt`` is tokenized (through the model's chat template with ``--chat``), all prompts
-run together in one OfflineEngine, and each completion is printed to stdout; with several prompts
-each completion is preceded by a ``=== [i] ===`` line. A timing summary goes to stderr.
+run together in one OfflineEngine (the decode worker's scheduler in unified mode), and each
+completion is printed to stdout; with several prompts each completion is preceded by a
+``=== [i] ===`` line. A timing summary goes to stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, LoadConfig, SchedulerConfig
+from pdserve.engine.errors import EngineError
 from pdserve.sampling_params import SamplingError, SamplingParams
 
 
@@ -50,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
     """Generate and print. Returns 0, or 2 after printing one error line for bad input."""
     try:
         return _run(args)
-    except (ConfigError, SamplingError, ValueError) as e:
+    except (ConfigError, EngineError, SamplingError, ValueError) as e:
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
     # heavy imports here, so `pdserve --help` stays fast
+    from decode_worker.offline import OfflineEngine
     from pdserve.attention.selector import select_attention_backend
-    from pdserve.engine.offline import OfflineEngine
     from pdserve.model.loader import load_model_config
     from pdserve.tokenizer import load_tokenizer
 

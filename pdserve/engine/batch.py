@@ -1,15 +1,20 @@
 """The contract between a scheduler (no torch) and the ModelRunner (tensors).
 
-A scheduler decides, each step, which sequences compute which tokens; the runner turns that into
-one forward pass over a mixed batch of prefill chunks and single-token decodes, writes the new KV
-into the paged pool by slot mapping, and samples where asked.
+A scheduler decides, each step, which sequences compute which tokens and returns them as a
+:class:`SchedulerOutput`; the runner turns its ``scheduled`` list into one forward pass over a
+mixed batch of prefill chunks and single-token decodes, writes the new KV into the paged pool by
+slot mapping, and samples where asked; the scheduler then takes the sampled tokens back in
+``update_from_output(output, sampled)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from pdserve.sampling_params import SamplingParams
+
+S = TypeVar("S")
 
 
 @dataclass
@@ -38,3 +43,39 @@ class ScheduledSeq:
     def num_tokens_after(self) -> int:
         """Sequence length once this step's tokens are in the KV cache."""
         return self.num_computed + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput(Generic[S]):
+    """One step's work, in batch order: ``scheduled[i]`` is computed for ``seqs[i]`` (the
+    scheduler's own per-request state). Token counts split prefill (prompt chunks) from decode
+    (one token per decoding sequence)."""
+
+    seqs: list[S] = field(default_factory=list)
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def add(self, seq: S, scheduled: ScheduledSeq, *, decode: bool = False) -> None:
+        """Append one sequence's share; ``decode``: a decode token rather than a prompt chunk."""
+        self.seqs.append(seq)
+        self.scheduled.append(scheduled)
+        if decode:
+            self.num_decode_tokens += len(scheduled.token_ids)
+        else:
+            self.num_prefill_tokens += len(scheduled.token_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is to be computed."""
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Query tokens of the step (rows of the forward)."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Sequences that sample a token this step."""
+        return sum(s.sample for s in self.scheduled)

@@ -1,10 +1,11 @@
 """ModelRunner: a scheduled batch (plain dataclasses) -> tensors -> one forward -> sampled tokens.
 
 The only engine piece that touches tensors. Each step it flattens the batch's query tokens (prefill
-chunks continuing after cached tokens and single-token decodes, in batch order), builds positions
-and the attention metadata (slot mapping, block tables, query start offsets, context lengths), runs
-the model, which writes every new token's K/V into the KVPool by slot mapping, computes logits only
-for the last token of each sequence that samples, and hands them to the Sampler.
+chunks continuing after cached tokens and single-token decodes, in batch order), has the model's
+attention backend build the step's metadata (positions, slot mapping and whatever the backend
+reads), runs the model, which writes every new token's K/V into the KVPool by slot mapping,
+computes logits only for the last token of each sequence that samples, and hands them to the
+Sampler.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
@@ -89,7 +89,7 @@ class ModelRunner:
         or a block table that is too short or out of range."""
         self._check(batch)
         ids = [t for seq in batch for t in seq.token_ids]
-        meta = AttentionMetadata.build(
+        meta = self.model.attn_backend.build_metadata(
             [len(s.token_ids) for s in batch],
             [s.num_computed for s in batch],
             [s.block_table for s in batch],

@@ -89,7 +89,8 @@ class LlamaForCausalLM(CausalLM):
         nn.Module.__init__(self)
         self.config = config
         qkv_bias, o_bias = self.projection_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, backend or get_backend())
+        self.attn_backend: AttentionBackend = backend or get_backend()
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.attn_backend)
         # None = tied: logits from the embedding matrix (a transform such as
         # pdserve.model.cpu_linear.pack_linears may install a packed copy here)
         self.lm_head: nn.Module | None = None

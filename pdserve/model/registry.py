@@ -31,6 +31,7 @@ class CausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
     config: ModelConfig
     lm_head: nn.Module | None
+    attn_backend: AttentionBackend  # builds the per-step AttentionMetadata its layers read
 
     @abstractmethod
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:

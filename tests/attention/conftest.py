@@ -61,7 +61,7 @@ class PagedCase:
         dtype: torch.dtype,
         seed: int = 0,
     ) -> None:
-        from pdserve.attention.base import AttentionMetadata, get_backend
+        from pdserve.attention.base import get_backend
         from pdserve.attention.triton_paged import TritonMetadata
 
         gen = torch.Generator().manual_seed(seed)
@@ -84,7 +84,9 @@ class PagedCase:
         self.v = rand(num_tokens, kv_heads, head_dim)
         self.scale = head_dim**-0.5
         qlens, computed = [n for _, n in seqs], [c for c, _ in seqs]
-        self.meta = AttentionMetadata.build(qlens, computed, self.tables, block_size, DEVICE)
+        self.meta = get_backend("torch_ref").build_metadata(
+            qlens, computed, self.tables, block_size, DEVICE
+        )
         self.tmeta = TritonMetadata.build(qlens, computed, self.tables, block_size, DEVICE)
         self.ref = get_backend("torch_ref").forward(
             self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.attention.base import AttentionMetadata, get_backend
+from pdserve.attention.base import FlatBatch, get_backend
 from pdserve.config import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,7 +40,7 @@ def test_mixed_batch_matches_naive_and_writes_slots() -> None:
     q = torch.randn(sum(n for _, n, _ in seqs), H, D, generator=gen)
     k = torch.cat([fk[c:] for (c, _, _), fk in zip(seqs, full_k, strict=True)])
     v = torch.cat([fv[c:] for (c, _, _), fv in zip(seqs, full_v, strict=True)])
-    meta = AttentionMetadata.build(
+    meta = backend.build_metadata(
         [n for _, n, _ in seqs], [c for c, _, _ in seqs], [t for _, _, t in seqs], BS
     )
     assert meta.num_decodes == 2 and len(meta.prefills) == 2
@@ -63,7 +63,7 @@ def test_decode_only_batch() -> None:
     lens, tables = [5, 13, 2], [[3, 4], [10, 11, 12, 13], [0]]
     q = torch.randn(3, H, D, generator=gen)
     k, v = torch.randn(2, 3, HKV, D, generator=gen).unbind(0)
-    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, BS)
+    meta = get_backend().build_metadata([1, 1, 1], [n - 1 for n in lens], tables, BS)
     assert meta.num_decodes == 3 and not meta.prefills
     out = get_backend().forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
     for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
@@ -79,9 +79,12 @@ def test_bf16_decode_attends_in_float32() -> None:
     lens, tables = [7, 1, 16], [[2, 8], [5], [1, 9, 17, 33]]
     q = torch.randn(3, H, D, generator=gen).bfloat16()
     k, v = torch.randn(2, 3, HKV, D, generator=gen).bfloat16().unbind(0)
-    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, BS)
+    meta = get_backend().build_metadata([1, 1, 1], [n - 1 for n in lens], tables, BS)
     assert meta.decode_bias.dtype == torch.float32
-    assert torch.equal(meta.decode_bias == 0, meta.decode_mask)
+    # a one-token prompt (len 1) is no decode; the two decodes get [2, 1, 1, 4 blocks * 4 tokens]:
+    # 0 over each context, -inf over the padding
+    real = torch.arange(16)[None, :] < torch.tensor([7, 16])[:, None]
+    assert torch.equal(meta.decode_bias.view(2, 16) == 0, real)
     out = get_backend().forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
     assert out.dtype == torch.bfloat16
     for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
@@ -91,17 +94,29 @@ def test_bf16_decode_attends_in_float32() -> None:
         torch.testing.assert_close(out[i : i + 1].float(), ref, atol=1e-2, rtol=1e-2)
 
 
-def test_slot_mapping() -> None:
-    meta = AttentionMetadata.build([3, 1], [2, 4], [[5, 9], [1, 2]], 4)
+def test_positions_and_slot_mapping() -> None:
+    meta = get_backend().build_metadata([3, 1], [2, 4], [[5, 9], [1, 2]], 4)
+    assert meta.positions.tolist() == [2, 3, 4, 4]
     assert meta.slot_mapping.tolist() == [22, 23, 36, 8]
-    assert meta.seq_lens.tolist() == [5, 5]
-    assert meta.block_tables.tolist() == [[5, 9], [1, 2]]
+    assert meta.query_start_loc.tolist() == [0, 3, 4]
+    # the chunk after 2 cached tokens sees keys 0..2+r; the decode group holds sequence 1
+    (span,) = meta.prefills
+    assert (span.start, span.end, span.seq_len) == (0, 3, 5)
+    assert span.block_ids.tolist() == [5, 9] and span.mask is not None
+    assert span.mask.tolist()[0] == [True, True, True, False, False]
+    assert meta.decode_rows.tolist() == [3] and meta.decode_blocks.tolist() == [[1, 2]]
+
+
+def test_flat_batch_pads_tables_for_backends() -> None:
+    b = FlatBatch.build([3, 1], [2, 4], [[5, 9], [1, 2, 7]], 4)
+    assert b.block_tables.tolist() == [[5, 9, 0], [1, 2, 7]]  # 0-padded; padding is never read
+    assert b.seq_lens.tolist() == [5, 5] and b.num_seqs == 2
 
 
 def test_bad_metadata_is_named() -> None:
     with pytest.raises(ValueError, match="sequence 1: block table has 1 blocks but 5 tokens"):
-        AttentionMetadata.build([2, 5], [0, 0], [[0], [1]], 4)
+        get_backend().build_metadata([2, 5], [0, 0], [[0], [1]], 4)
     with pytest.raises(ValueError, match="sequence 0: query_len must be >= 1"):
-        AttentionMetadata.build([0], [0], [[0]], 4)
+        FlatBatch.build([0], [0], [[0]], 4)
     with pytest.raises(ConfigError, match="attention backend 'flash' is not available"):
         get_backend("flash")

@@ -15,7 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def _decode(case, out: torch.Tensor, seq_ids=None, num_splits=None) -> None:  # noqa: ANN001
     tm = case.tmeta
     paged_decode_attention(
-        case.q, case.k_cache, case.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc,
+        case.q, case.k_cache, case.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc_i32,
         out, case.scale, tm.max_decode_seq_len, seq_ids=seq_ids, num_splits=num_splits,
     )  # fmt: skip
 

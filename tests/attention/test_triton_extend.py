@@ -15,7 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def _extend(case, out: torch.Tensor, max_query_len: int, seq_ids=None) -> None:  # noqa: ANN001
     tm = case.tmeta
     paged_extend_attention(
-        case.q, case.k_cache, case.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc,
+        case.q, case.k_cache, case.v_cache, tm.block_tables, tm.seq_lens, tm.query_start_loc_i32,
         out, case.scale, max_query_len, seq_ids=seq_ids,
     )  # fmt: skip
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.attention.base import AttentionMetadata, get_backend
+from decode_worker.offline import OfflineEngine
+from pdserve.attention.base import get_backend
 from pdserve.attention.triton_paged import TritonBackend
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.offline import OfflineEngine
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,22 +27,24 @@ def test_mixed_batch_matches_torch_ref(paged_case, dtype: torch.dtype) -> None:
     v_cache.view(-1, 2, 32)[new] = float("nan")
     backend = get_backend("triton")
     assert isinstance(backend, TritonBackend)
-    out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, case.meta, case.scale)
+    out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, case.tmeta, case.scale)
     assert case.err(out) < case.tolerance
     assert torch.equal(k_cache, case.k_cache) and torch.equal(v_cache, case.v_cache)
 
 
-def test_metadata_is_built_once_per_step() -> None:
+def test_build_metadata() -> None:
     backend = TritonBackend()
-    step1 = AttentionMetadata.build([1, 3], [4, 0], [[2, 5], [7]], 4)
-    tm = backend.metadata(step1)
-    assert backend.metadata(step1) is tm  # the other layers of the step reuse it
-    assert tm.query_start_loc.tolist() == [0, 1, 4] and tm.seq_lens.tolist() == [5, 3]
+    tm = backend.build_metadata([1, 3], [4, 0], [[2, 5], [7]], 4)
+    assert tm.query_start_loc_i32.tolist() == [0, 1, 4] and tm.seq_lens.tolist() == [5, 3]
+    assert tm.query_start_loc_i32.dtype == torch.int32 and tm.seq_lens.dtype == torch.int32
     assert tm.block_tables.dtype == torch.int32 and tm.block_tables.tolist() == [[2, 5], [7, 0]]
     assert (tm.num_decodes, tm.num_extends, tm.max_decode_seq_len) == (1, 1, 5)
-    step2 = AttentionMetadata.build([1, 1], [4, 8], [[2, 5], [7, 1, 3]], 4)
-    tm2 = backend.metadata(step2)
-    assert tm2 is not tm and tm2.decode_ids is None and tm2.num_extends == 0
+    # the common fields the model reads: positions (RoPE) and the slot mapping (KV write)
+    assert tm.positions.tolist() == [4, 0, 1, 2] and tm.slot_mapping.tolist() == [20, 28, 29, 30]
+    tm2 = backend.build_metadata([1, 1], [4, 8], [[2, 5], [7, 1, 3]], 4)
+    assert tm2.decode_ids is None and tm2.num_extends == 0
+    with pytest.raises(ValueError, match="sequence 0: block table has 1 blocks"):
+        backend.build_metadata([1], [4], [[2]], 4)
 
 
 TINY = ModelConfig(

@@ -13,18 +13,20 @@ import pytest
 from decode_kit import Collector, greedy, prompt, run_solo, tiny_engine
 
 from decode_worker.request import (
+    DecodeRequest,
+    ErrorEvent,
+    FinishedEvent,
+    PreemptedEvent,
+    TokensEvent,
+)
+from pdserve.engine.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
-    DecodeRequest,
-    ErrorEvent,
-    FinishedEvent,
-    PreemptedEvent,
-    RequestRefused,
-    TokensEvent,
+    EngineError,
 )
 from pdserve.sampling_params import SamplingParams
 
@@ -58,7 +60,7 @@ def test_staggered_batching_matches_solo_runs() -> None:
     step = 0
     pending = list(zip(arrival, reqs, strict=True))
     max_running = 0
-    while pending or eng.has_work:
+    while pending or eng.has_work():
         while pending and pending[0][0] <= step:
             _, r = pending.pop(0)
             eng.add_request(r, col.sink(r.request_id))
@@ -87,7 +89,7 @@ def test_preemption_then_reprefill_completes_every_request_exactly() -> None:
     outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     queue = list(reqs)
     attempts = 0
-    while queue or eng.has_work:
+    while queue or eng.has_work():
         retry = []
         for r in queue:
             rid = r.request_id
@@ -103,7 +105,7 @@ def test_preemption_then_reprefill_completes_every_request_exactly() -> None:
             try:
                 eng.add_request(resumed, col.sink(rid))
                 attempts += 1
-            except RequestRefused as e:
+            except EngineError as e:
                 assert e.code == RESOURCE_EXHAUSTED
                 retry.append(r)
         queue = retry
@@ -131,20 +133,20 @@ def test_preemption_then_reprefill_completes_every_request_exactly() -> None:
 def test_refusals() -> None:
     eng = tiny_engine(num_blocks=8)
     col = Collector()
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         eng.add_request(
             DecodeRequest("a", prompt(0, 40), greedy(4), prefill_locally=True), col.sink("a")
         )
     assert e.value.code == RESOURCE_EXHAUSTED and "never fits" in e.value.message
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         eng.add_request(DecodeRequest("a", prompt(0, 4), greedy(4)), col.sink("a"))
     assert e.value.code == UNAVAILABLE  # no KV receiver
     bad = SamplingParams(stop_token_ids=(500,))
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         eng.add_request(DecodeRequest("a", prompt(0, 4), bad, prefill_locally=True), col.sink("a"))
     assert e.value.code == INVALID_ARGUMENT and "stop_token_ids" in e.value.message
     eng.allow_local_prefill = False
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         eng.add_request(
             DecodeRequest("a", prompt(0, 4), greedy(4), prefill_locally=True), col.sink("a")
         )
@@ -201,7 +203,7 @@ def test_background_loop_streams_and_honours_deadlines() -> None:
         s = eng.stats()
         assert s.step_time_ms > 0 and s.generation_tokens_per_s > 0 and s.num_finished >= 6
     finally:
-        eng.stop()
+        eng.shutdown()
     eng.check_integrity()
 
 
@@ -211,9 +213,9 @@ def test_stop_fails_live_requests() -> None:
     eng.add_request(
         DecodeRequest("a", prompt(0, 9), greedy(50), prefill_locally=True), col.sink("a")
     )
-    eng.stop()
+    eng.shutdown()
     assert isinstance(col.last("a"), ErrorEvent) and col.last("a").code == UNAVAILABLE  # type: ignore[union-attr]
-    with pytest.raises(RequestRefused):
+    with pytest.raises(EngineError):
         eng.add_request(
             DecodeRequest("b", prompt(0, 9), greedy(5), prefill_locally=True), col.sink("b")
         )

@@ -40,7 +40,7 @@ async def served() -> AsyncIterator[tuple[DecodeEngine, str]]:
         yield engine, f"127.0.0.1:{port}"
     finally:
         await server.stop(grace=None)
-        engine.stop()
+        engine.shutdown()
 
 
 async def _wait_free(engine: DecodeEngine, timeout_s: float) -> float:

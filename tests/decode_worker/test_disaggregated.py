@@ -15,20 +15,12 @@ import pytest
 from decode_kit import TINY, Collector, greedy, prompt, tiny_config
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.request import (
-    CANCELLED,
-    DEADLINE_EXCEEDED,
-    RESOURCE_EXHAUSTED,
-    DecodeRequest,
-    ErrorEvent,
-    FinishedEvent,
-    PreemptedEvent,
-    RequestRefused,
-)
+from decode_worker.request import DecodeRequest, ErrorEvent, FinishedEvent, PreemptedEvent
 from pdserve.config import EngineConfig, TransferConfig
+from pdserve.engine.errors import CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, EngineError
 from pdserve.sampling_params import SamplingParams
 from prefill_worker.engine import PrefillEngine
-from prefill_worker.request import KVTarget, PrefillError, PrefillRequest, PrefillResult
+from prefill_worker.request import KVTarget, PrefillRequest, PrefillResult
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,7 +50,7 @@ def make_pair() -> Iterator[PairFactory]:
     yield build
     for prefill, decode in made:
         prefill.shutdown()
-        decode.stop()
+        decode.shutdown()
 
 
 def _sampling(i: int, mode: str, max_tokens: int) -> SamplingParams:
@@ -83,7 +75,7 @@ class MiniRouter:
     def place(
         self, rid: str, prompt_ids: tuple[int, ...], sp: SamplingParams
     ) -> Future[PrefillResult]:
-        """Reserve on D and start the prefill. Raises RequestRefused when D has no room."""
+        """Reserve on D and start the prefill. Raises EngineError when D has no room."""
         out = self.outputs.setdefault(rid, [])
         self._k += 1
         aid = f"{rid}~{self._k}"
@@ -142,12 +134,12 @@ def test_preemption_with_reprefill_on_the_prefill_engine(make_pair: PairFactory)
         decode.run_until_idle()
         expected[rid] = col.tokens(rid)
     queue = list(cases)
-    while queue or decode.has_work:
+    while queue or decode.has_work():
         retry = []
         for rid, p, sp in queue:
             try:
                 fut = router.place(rid, p, sp)
-            except RequestRefused as e:
+            except EngineError as e:
                 assert e.code == RESOURCE_EXHAUSTED
                 retry.append((rid, p, sp))
                 continue
@@ -189,7 +181,7 @@ def test_abort_at_each_stage_frees_everything(make_pair: PairFactory) -> None:
         )
     )
     prefill.run_until_idle()
-    with pytest.raises(PrefillError, match="dropped"):
+    with pytest.raises(EngineError, match="dropped"):
         fut.result(0)
     assert decode.receiver.stats().reservations_cancelled == 1
     # 2. Running.
@@ -204,7 +196,7 @@ def test_abort_at_each_stage_frees_everything(make_pair: PairFactory) -> None:
     # 3. Just finished (token 1 from P already reaches max_tokens).
     fut = router.place("f", prompt(3, 9), greedy(1))
     prefill.run_until_idle()
-    decode.poll()
+    decode.step()
     last = col.last(router.attempt["f"])
     assert last == FinishedEvent("length", 1)
     assert not decode.abort(router.attempt["f"])
@@ -231,3 +223,21 @@ def test_reservation_freed_when_kv_never_arrives(make_pair: PairFactory) -> None
         assert isinstance(ev, ErrorEvent) and ev.code == DEADLINE_EXCEEDED, ev
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
     decode.check_integrity()
+
+
+def test_remote_sequences_waiting_for_a_slot_count_as_waiting(make_pair: PairFactory) -> None:
+    """GetStats' num_waiting (the router's load view) counts sequences whose KV arrived but which
+    wait for a batch slot, not only local prefills."""
+    prefill, decode = make_pair(max_num_seqs=1)
+    col = Collector()
+    router = MiniRouter(prefill, decode, col)
+    futs = [router.place(rid, prompt(i, 9), greedy(8)) for i, rid in enumerate("ab")]
+    prefill.run_until_idle()
+    for fut in futs:
+        fut.result(0)
+    assert decode.stats().num_waiting_for_kv == 2  # KV landed; the notices are not applied yet
+    decode.step()  # applies both arrivals: one runs (max_num_seqs=1), the other waits
+    s = decode.stats()
+    assert (s.num_running, s.num_waiting, s.num_waiting_for_kv) == (1, 1, 0)
+    decode.run_until_idle()
+    assert decode.stats().num_waiting == 0 and decode.num_live == 0

@@ -9,20 +9,22 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.request import (
+    DecodeRequest,
+    ErrorEvent,
+    FinishedEvent,
+    PreemptedEvent,
+    TokensEvent,
+)
+from decode_worker.scheduler import DecodeOutput, DecodeScheduler, SeqState
+from pdserve.config import SchedulerConfig
+from pdserve.engine.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
-    DecodeRequest,
-    ErrorEvent,
-    FinishedEvent,
-    PreemptedEvent,
-    RequestRefused,
-    TokensEvent,
+    EngineError,
 )
-from decode_worker.scheduler import DecodeScheduler, SeqState, StepPlan
-from pdserve.config import SchedulerConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
@@ -93,10 +95,10 @@ def req(
     )
 
 
-def fake_runner(plan: StepPlan, token: int | None = None) -> list[SampledToken | None]:
+def fake_runner(plan: DecodeOutput, token: int | None = None) -> list[SampledToken | None]:
     """Next token = (position of the sampled token) % 50 + 1, or ``token`` when given."""
     out: list[SampledToken | None] = []
-    for s in plan.seqs:
+    for s in plan.scheduled:
         assert len(s.block_table) * BS >= s.num_tokens_after
         out.append(
             SampledToken(token if token is not None else s.num_tokens_after % 50 + 1)
@@ -106,9 +108,9 @@ def fake_runner(plan: StepPlan, token: int | None = None) -> list[SampledToken |
     return out
 
 
-def step(s: DecodeScheduler, token: int | None = None) -> StepPlan:
+def step(s: DecodeScheduler, token: int | None = None) -> DecodeOutput:
     plan = s.schedule()
-    s.update(plan, fake_runner(plan, token))
+    s.update_from_output(plan, fake_runner(plan, token))
     return plan
 
 
@@ -121,44 +123,44 @@ def test_remote_reservation_and_admission() -> None:
     table = s.add_request(req("a", 6), transfer_id=7)
     assert table == [0, 1]  # 6 tokens -> 2 blocks of 4
     assert s.state("a") is SeqState.WAITING_FOR_KV and s.num_waiting_for_kv == 1
-    assert s.schedule().empty  # nothing runs before the KV arrives
-    s.update(StepPlan(), [])
+    assert s.schedule().is_empty  # nothing runs before the KV arrives
+    s.update_from_output(DecodeOutput(), [])
     assert s.kv_arrived("a", 7, SampledToken(11))
-    assert s.state("a") is SeqState.READY
+    assert s.state("a") is SeqState.WAITING
     plan = s.schedule()
-    (seq,) = plan.seqs
+    (seq,) = plan.scheduled
     # token 1 (11) is decoded at position 6; a block boundary is crossed at 8, not yet.
     assert seq.token_ids == [11] and seq.num_computed == 6 and seq.block_table == [0, 1]
     assert seq.output_token_ids == [11] and seq.prompt_token_ids == [1, 2, 3, 4, 5, 6]
-    s.update(plan, fake_runner(plan))
+    s.update_from_output(plan, fake_runner(plan))
     ev = events_of(s)
     assert ev == [("a", TokensEvent((SampledToken(8),)))]  # token 1 is not re-streamed
     plan = s.schedule()
-    assert plan.seqs[0].block_table == [0, 1] and plan.seqs[0].num_computed == 7
-    s.update(plan, fake_runner(plan))
+    assert plan.scheduled[0].block_table == [0, 1] and plan.scheduled[0].num_computed == 7
+    s.update_from_output(plan, fake_runner(plan))
     plan = s.schedule()  # position 8 needs a third block
-    assert plan.seqs[0].block_table == [0, 1, 2]
-    s.update(plan, fake_runner(plan))
+    assert plan.scheduled[0].block_table == [0, 1, 2]
+    s.update_from_output(plan, fake_runner(plan))
     s.check_integrity()
 
 
 def test_refusals() -> None:
     s = make(num_blocks=4, max_model_len=32)
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         s.add_request(req("x", 32))
     assert e.value.code == INVALID_ARGUMENT and "max_model_len" in e.value.message
-    with pytest.raises(RequestRefused, match="num_output_tokens"):
+    with pytest.raises(EngineError, match="num_output_tokens"):
         s.add_request(req("x", 4, prev=4))
-    with pytest.raises(RequestRefused, match="max_tokens"):
+    with pytest.raises(EngineError, match="max_tokens"):
         s.add_request(req("x", 6, prev=3, max_tokens=3))
     bad = DecodeRequest("x", (1, VOCAB), SamplingParams())
-    with pytest.raises(RequestRefused, match=r"\[0, 100\)"):
+    with pytest.raises(EngineError, match=r"\[0, 100\)"):
         s.add_request(bad)
     s.add_request(req("a", 12))  # 3 of 4 blocks
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         s.add_request(req("b", 8))
     assert e.value.code == RESOURCE_EXHAUSTED and "1 of 4 free" in e.value.message
-    with pytest.raises(RequestRefused) as e:
+    with pytest.raises(EngineError) as e:
         s.add_request(req("a", 2))
     assert e.value.code == "ALREADY_EXISTS"
     assert not s.has("b")
@@ -172,11 +174,11 @@ def test_reservations_leave_the_watermark_free() -> None:
         watermark_blocks=2,
     )  # fmt: skip
     s.add_request(req("a", 16), transfer_id=1)  # 4 blocks, 4 free
-    with pytest.raises(RequestRefused, match="2 kept for running sequences") as e:
+    with pytest.raises(EngineError, match="2 kept for running sequences") as e:
         s.add_request(req("b", 12), transfer_id=2)  # 3 blocks would leave 1 < 2
     assert e.value.code == RESOURCE_EXHAUSTED and "retry later" in e.value.message
     s.add_request(req("b", 8), transfer_id=2)  # 2 blocks leave 2
-    with pytest.raises(RequestRefused, match="never fits"):
+    with pytest.raises(EngineError, match="never fits"):
         s.add_request(req("c", 28), transfer_id=3)  # 7 blocks > 8 - 2
     with pytest.raises(ValueError, match="watermark_blocks"):
         DecodeScheduler(
@@ -186,7 +188,7 @@ def test_reservations_leave_the_watermark_free() -> None:
     s.kv_arrived("a", 1, SampledToken(5))
     s.kv_arrived("b", 2, SampledToken(5))
     plan = step(s)
-    assert [len(x.block_table) for x in plan.seqs] == [5, 3] and kv.num_free_blocks == 0
+    assert [len(x.block_table) for x in plan.scheduled] == [5, 3] and kv.num_free_blocks == 0
 
 
 def test_token_one_finishes_immediately() -> None:
@@ -231,11 +233,11 @@ def test_max_num_seqs_and_fifo_admission() -> None:
     for i, rid in zip((2, 0, 1), "cab", strict=True):
         s.kv_arrived(rid, i, SampledToken(5))
     plan = step(s)
-    assert [x.request_id for x in plan.seqs] == ["c", "a"]  # KV arrival order
-    assert s.num_ready == 1
+    assert [x.request_id for x in plan.scheduled] == ["c", "a"]  # KV arrival order
+    assert s.num_waiting == 1
     step(s)  # c and a finish (3 outputs)
     plan = step(s)
-    assert [x.request_id for x in plan.seqs] == ["b"]
+    assert [x.request_id for x in plan.scheduled] == ["b"]
 
 
 def test_preempts_newest_when_out_of_blocks() -> None:
@@ -252,7 +254,7 @@ def test_preempts_newest_when_out_of_blocks() -> None:
         step(s)
     # Position 8 needs a 3rd block for "old": "new" (the newest) is preempted.
     plan = step(s)
-    assert [x.request_id for x in plan.seqs] == ["old"]
+    assert [x.request_id for x in plan.scheduled] == ["old"]
     (pre,) = [(r, e) for r, e in events_of(s) if isinstance(e, PreemptedEvent)]
     assert pre[0] == "new"
     assert pre[1].output_token_ids == (9, 6, 7, 8, 9)  # token 1 + four decoded tokens
@@ -266,7 +268,7 @@ def test_preempts_itself_when_alone() -> None:
     s.add_request(req("b", 4, max_tokens=20), transfer_id=2)  # holds the other block, no KV yet
     s.kv_arrived("a", 1, SampledToken(7))
     plan = step(s)
-    assert plan.empty
+    assert plan.is_empty
     assert events_of(s) == [("a", PreemptedEvent((7,), "no free KV blocks"))]
     assert s.state("b") is SeqState.WAITING_FOR_KV
     s.check_integrity()
@@ -281,9 +283,9 @@ def test_chunked_local_prefill_delays_decodes_by_one_chunk() -> None:
     sizes = []
     for _ in range(5):
         plan = s.schedule()
-        assert plan.seqs[0].request_id == "d" and len(plan.seqs[0].token_ids) == 1
-        sizes.append([len(x.token_ids) for x in plan.seqs[1:]])
-        s.update(plan, fake_runner(plan))
+        assert plan.scheduled[0].request_id == "d" and len(plan.scheduled[0].token_ids) == 1
+        sizes.append([len(x.token_ids) for x in plan.scheduled[1:]])
+        s.update_from_output(plan, fake_runner(plan))
     assert sizes == [[8], [8], [8], [6], [1]]  # the 30-token prompt in 8-token chunks, then decode
     ev = [(r, e) for r, e in events_of(s) if r == "long"]
     assert ev == [
@@ -297,12 +299,12 @@ def test_chunked_local_prefill_delays_decodes_by_one_chunk() -> None:
 def test_local_prefill_uses_full_budget_when_alone_and_unchunked_waits() -> None:
     s = make(num_blocks=32, chunk=8, max_num_batched_tokens=16, max_model_len=128)
     s.add_request(req("p", 20, local=True, max_tokens=1))
-    assert [len(x.token_ids) for x in step(s).seqs] == [16]
-    assert [len(x.token_ids) for x in step(s).seqs] == [4]
+    assert [len(x.token_ids) for x in step(s).scheduled] == [16]
+    assert [len(x.token_ids) for x in step(s).scheduled] == [4]
     u = make(num_blocks=32, max_num_batched_tokens=16, chunked=False, max_model_len=16)
     u.add_request(req("p", 10, local=True, max_tokens=1))
     plan = step(u)
-    assert [(len(x.token_ids), x.sample) for x in plan.seqs] == [(10, True)]
+    assert [(len(x.token_ids), x.sample) for x in plan.scheduled] == [(10, True)]
 
 
 def test_prefix_cache_hit_for_local_prefill() -> None:
@@ -312,9 +314,9 @@ def test_prefix_cache_hit_for_local_prefill() -> None:
     assert events_of(s)[-1] == ("a", FinishedEvent("length", 1))
     s.add_request(req("b", 10, local=True, max_tokens=1))
     plan = s.schedule()
-    (x,) = plan.seqs
+    (x,) = plan.scheduled
     assert x.num_computed == 8 and x.token_ids == [9, 10]  # two cached blocks reused
-    s.update(plan, fake_runner(plan))
+    s.update_from_output(plan, fake_runner(plan))
     assert s.kv.prefix_cache_stats == (19, 8)
     s.check_integrity()
 
@@ -350,7 +352,7 @@ def test_abort_mid_step_frees_after_update() -> None:
     assert s.abort("a")
     assert s.kv.num_free_blocks == 6  # the forward may still write blocks 0-1
     s.add_request(req("a", 4, prev=1), transfer_id=2)  # same id re-used by the router
-    s.update(plan, fake_runner(plan))
+    s.update_from_output(plan, fake_runner(plan))
     ev, _ = s.drain()
     assert ev == [("a", ErrorEvent(CANCELLED, "aborted"))]  # no token after the terminal event
     assert s.kv.num_free_blocks == 7 and s.state("a") is SeqState.WAITING_FOR_KV
@@ -364,7 +366,6 @@ def test_deadlines_and_kv_timeout() -> None:
     s.add_request(req("kv", 4, kv_timeout_s=2.0), transfer_id=1)
     s.add_request(req("dl", 4, deadline=clock.t + 5), transfer_id=2)
     s.kv_arrived("dl", 2, SampledToken(5))
-    assert s.next_deadline() == clock.t + 2
     clock.t += 2.5
     step(s)
     ev, released = s.drain()
@@ -408,6 +409,6 @@ def test_update_checks_result_count() -> None:
     with pytest.raises(RuntimeError, match="before update"):
         s.schedule()
     with pytest.raises(ValueError, match="0 results for 1 seqs"):
-        s.update(plan, [])
-    s.update(s.schedule(), [SampledToken(5)])  # the step was not applied; it runs again
+        s.update_from_output(plan, [])
+    s.update_from_output(s.schedule(), [SampledToken(5)])  # the step was not applied; it runs again
     assert s.drain()[0] == [("a", TokensEvent((SampledToken(5),)))]

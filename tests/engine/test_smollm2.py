@@ -12,10 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.attention.base import AttentionMetadata
+from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from pdserve.engine.batch import ScheduledSeq
-from pdserve.engine.offline import OfflineEngine
 from pdserve.model.resolve import resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer, load_tokenizer
@@ -98,7 +97,7 @@ def test_logits_match_transformers(
     runner = engine.runner
     chosen = prompts[:3]
     tables = [[0, 1], [2, 3], [4, 5]]
-    meta = AttentionMetadata.build([len(p) for p in chosen], [0, 0, 0], tables, 16)
+    meta = runner.model.attn_backend.build_metadata([len(p) for p in chosen], [0, 0, 0], tables, 16)
     ids = torch.tensor([t for p in chosen for t in p])
     pos = torch.cat([torch.arange(len(p)) for p in chosen])
     with torch.no_grad():

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from pdserve.attention.base import AttentionMetadata
 from pdserve.kv_cache.pool import KVPool
 from pdserve.model.registry import CausalLM
 
@@ -58,7 +57,7 @@ class PagedForward:
         pos = torch.cat(
             [torch.arange(n, n + len(c)) for c, n in zip(chunks, num_computed, strict=True)]
         )
-        meta = AttentionMetadata.build(
+        meta = self.model.attn_backend.build_metadata(
             [len(c) for c in chunks], num_computed, tables, self.block_size
         )
         logits = self.model.compute_logits(self.model(ids, pos, meta, self.caches)).float()

@@ -12,10 +12,11 @@ import torch
 from prefill_tiny import TINY, tiny_config
 
 from pdserve.config import LoadConfig
+from pdserve.engine.actor import threads_for
 from pdserve.net import node_address
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from prefill_worker.actor import PrefillActor, threads_for
+from prefill_worker.actor import PrefillActor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,20 +11,18 @@ import time
 import pytest
 from prefill_tiny import TINY, OneShot, prompt, tiny_config
 
-from pdserve.sampling_params import SamplingParams
-from prefill_worker.engine import PrefillEngine
-from prefill_worker.request import (
+from pdserve.engine.errors import (
     ALREADY_EXISTS,
     CANCELLED,
     DEADLINE_EXCEEDED,
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
-    KVTarget,
-    PrefillError,
-    PrefillRequest,
-    PrefillState,
+    EngineError,
 )
+from pdserve.sampling_params import SamplingParams
+from prefill_worker.engine import PrefillEngine
+from prefill_worker.request import KVTarget, PrefillRequest, PrefillState
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, logprobs=True, top_logprobs=3)
@@ -120,7 +118,7 @@ def test_abort_during_chunked_prefill_frees_everything() -> None:
     assert eng.request_state("long") is PrefillState.RUNNING
     assert eng.abort("long") and not eng.abort("long")
     eng.check_integrity()
-    with pytest.raises(PrefillError) as e:
+    with pytest.raises(EngineError) as e:
         long_f.result(0)
     assert e.value.code == CANCELLED
     late_f = eng.add_request(_req("late", prompt(200, seed=7)))
@@ -156,7 +154,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving() -> None:
     eng = _engine(num_blocks=64)
 
     def code(req: PrefillRequest) -> str:
-        with pytest.raises(PrefillError) as e:
+        with pytest.raises(EngineError) as e:
             eng.add_request(req)
         assert e.value.message
         return e.value.code
@@ -182,7 +180,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving() -> None:
 def test_a_target_without_a_sender_is_unavailable() -> None:
     eng = _engine()
     bare = PrefillEngine(eng.config, eng.runner, sender=None)
-    with pytest.raises(PrefillError) as e:
+    with pytest.raises(EngineError) as e:
         bare.add_request(_req("t", (1, 2), target=KVTarget(1, "loopback:1")))
     assert e.value.code == UNAVAILABLE and "no KV sender" in e.value.message
     eng.shutdown()
@@ -247,6 +245,6 @@ def test_shutdown_fails_live_requests() -> None:
     eng.shutdown()
     assert f.exception(0).code == UNAVAILABLE  # type: ignore[union-attr]
     assert not eng.has_work()
-    with pytest.raises(PrefillError) as e:
+    with pytest.raises(EngineError) as e:
         eng.add_request(_req("late", prompt(10, seed=1)))
     assert e.value.code == UNAVAILABLE

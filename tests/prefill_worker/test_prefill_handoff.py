@@ -15,17 +15,11 @@ from prefill_tiny import TINY, OneShot, prompt, tiny_config
 
 from kv_transfer import make_receiver
 from kv_transfer.base import KVLayout, KVReceiver, TransferResult
+from pdserve.engine.errors import CANCELLED, UNAVAILABLE, EngineError
 from pdserve.kv_cache.pool import KVPool
 from pdserve.sampling_params import SamplingParams
 from prefill_worker.engine import PrefillEngine
-from prefill_worker.request import (
-    CANCELLED,
-    UNAVAILABLE,
-    KVTarget,
-    PrefillError,
-    PrefillRequest,
-    PrefillState,
-)
+from prefill_worker.request import KVTarget, PrefillRequest, PrefillState
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, logprobs=True)
@@ -118,7 +112,7 @@ def test_send_without_a_reservation_fails_and_frees_blocks() -> None:
         PrefillRequest("x", prompt(40, seed=1), GREEDY, target=KVTarget(999, dec.receiver.endpoint))
     )
     eng.run_until_idle()
-    with pytest.raises(PrefillError) as e:
+    with pytest.raises(EngineError) as e:
         f.result(0)
     assert e.value.code == UNAVAILABLE and "dropped" in e.value.message
     assert eng.stats().transfer_failures == 1

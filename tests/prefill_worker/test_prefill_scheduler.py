@@ -7,8 +7,9 @@ import pytest
 from pdserve.config import SchedulerConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
-from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from prefill_worker.scheduler import PrefillOutput, PrefillScheduler, PrefillSeq
 
 BS = 16
 
@@ -35,12 +36,18 @@ def _add(s: PrefillScheduler, rid: str, n: int, base: int = 0, k: int = 0) -> Pr
     return seq
 
 
+def _ran(s: PrefillScheduler, out: PrefillOutput) -> list[PrefillSeq]:
+    """Apply ``out`` as if run (token 7 sampled where asked); returns the completed prompts."""
+    sampled = [SampledToken(7) if x.sample else None for x in out.scheduled]
+    return [seq for seq, _ in s.update_from_output(out, sampled)]
+
+
 def _step(s: PrefillScheduler) -> dict[str, int]:
-    chunks = s.schedule()
-    for done in s.on_computed(chunks):
+    out = s.schedule()
+    for done in _ran(s, out):
         s.finish(done.request_id)
     s.check_integrity()
-    return {c.seq.request_id: len(c.batch.token_ids) for c in chunks}
+    return {x.request_id: len(x.token_ids) for x in out.scheduled}
 
 
 def test_long_prompt_is_chunked_and_runs_at_full_budget_alone() -> None:
@@ -82,16 +89,19 @@ def test_short_prompt_delay_is_bounded_by_long_prompts(num_longs: int) -> None:
 def test_chunk_batch_entries_cover_positions_and_sample_on_last_chunk() -> None:
     s = _sched(batched=64, threshold=64)
     _add(s, "a", 100, k=3)
-    chunks = s.schedule()
-    (c,) = chunks
-    assert c.batch.num_computed == 0 and len(c.batch.token_ids) == 64 and not c.batch.sample
-    assert c.batch.block_table == list(range(7))  # whole prompt reserved at admission
-    s.on_computed(chunks)
-    (c,) = s.schedule()
-    assert c.batch.num_computed == 64 and c.batch.token_ids == list(range(64, 100))
-    assert c.batch.sample
-    assert c.batch.prompt_token_ids == list(range(97)) and c.batch.output_token_ids == [97, 98, 99]
-    (done,) = s.on_computed([c])
+    out = s.schedule()
+    (c,) = out.scheduled
+    assert c.num_computed == 0 and len(c.token_ids) == 64 and not c.sample
+    assert c.block_table == list(range(7))  # whole prompt reserved at admission
+    assert out.num_prefill_tokens == 64 and out.num_decode_tokens == 0
+    _ran(s, out)
+    out = s.schedule()
+    (c,) = out.scheduled
+    assert c.num_computed == 64 and c.token_ids == list(range(64, 100))
+    assert c.sample
+    assert c.prompt_token_ids == list(range(97)) and c.output_token_ids == [97, 98, 99]
+    ((done, token),) = s.update_from_output(out, [SampledToken(5)])
+    assert token == SampledToken(5)
     assert done.state is PrefillState.SENDING and s.num_running == 1 and s.num_sending == 1
     s.check_integrity()
     s.finish("a")
@@ -103,9 +113,9 @@ def test_prefix_hit_skips_cached_blocks() -> None:
     _add(s, "a", 100)
     _step(s)
     seq = _add(s, "b", 80)  # shares the first 80 tokens: 5 full blocks cached, 4 usable
-    chunks = s.schedule()
+    out = s.schedule()
     assert seq.num_cached == 64
-    assert chunks[0].batch.num_computed == 64 and len(chunks[0].batch.token_ids) == 16
+    assert out.scheduled[0].num_computed == 64 and len(out.scheduled[0].token_ids) == 16
     assert s.kv.prefix_cache_stats == (180, 64)
 
 
@@ -141,10 +151,10 @@ def test_remove_frees_everything_in_any_state(stage: str) -> None:
     s = _sched(batched=32, threshold=32)
     _add(s, "x", 100)
     if stage != "waiting":
-        s.on_computed(s.schedule())
+        _ran(s, s.schedule())
     if stage == "sending":
         while s.get("x").state is PrefillState.RUNNING:  # type: ignore[union-attr]
-            s.on_computed(s.schedule())
+            _ran(s, s.schedule())
     seq = s.remove("x")
     assert seq is not None and seq.state is PrefillState.DONE
     assert s.remove("x") is None
@@ -155,10 +165,21 @@ def test_remove_frees_everything_in_any_state(stage: str) -> None:
 def test_chunks_of_a_request_removed_during_the_forward_are_ignored() -> None:
     s = _sched()
     _add(s, "x", 40)
-    chunks = s.schedule()
+    out = s.schedule()
     s.remove("x")
-    assert s.on_computed(chunks) == []
+    assert _ran(s, out) == []
     s.check_integrity()
+
+
+def test_update_checks_the_sampled_tokens() -> None:
+    s = _sched()
+    _add(s, "x", 40)
+    out = s.schedule()
+    with pytest.raises(ValueError, match="0 results for 1 sequences"):
+        s.update_from_output(out, [])
+    with pytest.raises(ValueError, match="no token for a sampled one"):
+        s.update_from_output(out, [None])
+    assert s.get("x").num_computed == 0  # type: ignore[union-attr]  # nothing was applied
 
 
 def test_duplicate_id_is_refused() -> None:

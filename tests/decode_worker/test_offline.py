@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.offline import OfflineEngine
-from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.engine.errors import EngineError
+from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,11 +95,13 @@ def test_finish_reasons(reference: list[list[int]]) -> None:
 
 def test_bad_requests() -> None:
     eng = _engine()
-    with pytest.raises(SamplingError, match="prompt 0 has 128 tokens; max_model_len is 128"):
+    with pytest.raises(EngineError, match="prompt 0: prompt has 128 tokens; max_model_len is 128"):
         eng.generate([list(range(128))], GREEDY)
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(EngineError, match="prompt 1: 'prompt_token_ids' is empty"):
         eng.generate([[5], []], GREEDY)
-    with pytest.raises(SamplingError, match="stop_token_ids"):
+    with pytest.raises(EngineError, match="prompt 0: 'stop_token_ids'"):
         eng.generate([[5]], SamplingParams(stop_token_ids=(999,)))
+    with pytest.raises(EngineError, match="prompt 0: 'n' must be 1"):
+        eng.generate([[5]], SamplingParams(n=2))
     with pytest.raises(RuntimeError, match="KV cache too small"):
         _engine(num_blocks=2).generate([list(range(3, 20))], GREEDY)

@@ -1,0 +1,84 @@
+"""The request base both workers (and the offline engine) share, and its validation.
+
+A request carries token ids only. After a preemption or migration the router re-sends it with
+the tokens generated so far appended to the prompt and ``num_output_tokens`` naming how many
+trailing ids are output: they count towards ``max_tokens``, feed the presence/frequency
+penalties and key the seeded generator, so the continuation is the one the request would have
+produced had it never moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, EngineError
+from pdserve.sampling_params import SamplingError, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Fields every worker request has.
+
+    ``prompt_token_ids``: the prompt, followed by ``num_output_tokens`` earlier output tokens on
+    a resumed request. ``deadline``: absolute ``time.time()`` seconds after which the worker
+    drops the request and frees what it holds; None = none.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    num_output_tokens: int = 0
+    deadline: float | None = None
+
+    def validate(
+        self,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        check_sampling: Callable[[SamplingParams], None] | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Check the request against a model of ``vocab_size`` ids and ``max_model_len`` tokens.
+
+        ``check_sampling``: the sampler's own check (raises SamplingError). ``now``: wall seconds;
+        given, a deadline at or before it is refused. Raises EngineError: INVALID_ARGUMENT naming
+        the first bad field (empty id or prompt, a token id outside the vocabulary, a prompt
+        leaving no room for one output token, ``num_output_tokens`` out of range or already at
+        ``max_tokens``, a bad sampling value), DEADLINE_EXCEEDED.
+        """
+        tokens = self.prompt_token_ids
+        n, k = len(tokens), self.num_output_tokens
+
+        def bad(message: str) -> EngineError:
+            return EngineError(INVALID_ARGUMENT, message)
+
+        if not self.request_id:
+            raise bad("'request_id' is empty")
+        if n == 0:
+            raise bad("'prompt_token_ids' is empty")
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= vocab_size:
+            raise bad(
+                f"'prompt_token_ids' contains {lo if lo < 0 else hi}, outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+        if n >= max_model_len:
+            raise bad(
+                f"prompt has {n} tokens; max_model_len is {max_model_len}, so at most "
+                f"{max_model_len - 1} prompt tokens fit (one token must be left to generate)"
+            )
+        if not 0 <= k < n:
+            raise bad(f"'num_output_tokens' must be in [0, {n}) for {n} tokens, got {k}")
+        max_tokens = self.sampling.max_tokens
+        if max_tokens is not None and k >= max_tokens:
+            raise bad(
+                f"'max_tokens' ({max_tokens}) leaves nothing to generate after {k} output tokens"
+            )
+        if check_sampling is not None:
+            try:
+                check_sampling(self.sampling)
+            except SamplingError as e:
+                raise bad(str(e)) from None
+        if now is not None and self.deadline is not None and self.deadline <= now:
+            raise EngineError(DEADLINE_EXCEEDED, "request deadline already passed")
