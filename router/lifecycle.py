@@ -33,6 +33,7 @@ from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
+from router.readiness import STARTING_RETRY_AFTER_S
 from router.request_log import SequenceTrace
 from router.request_state import TERMINAL, RequestState, check_transition
 from router.request_state import RequestState as S
@@ -262,7 +263,10 @@ class RequestLifecycle:
                 now = time.monotonic()
                 no_worker_since = no_worker_since or now
                 if now - no_worker_since > self.config.no_worker_timeout_s:
-                    raise NoWorkers("no decode worker is available; try again later")
+                    raise NoWorkers(
+                        "no decode worker is available; try again later",
+                        retry_after_s=STARTING_RETRY_AFTER_S,
+                    )
                 await self.pool.wait_changed(min(left, 0.5))
                 continue
             no_worker_since = None

@@ -1,7 +1,8 @@
 """The FastAPI application: routes, authentication, the body-size limit and error handlers.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (200 when a decode worker is up, else 503), ``GET /metrics`` (Prometheus text),
+``GET /health`` (200 when a decode worker is up, else 503; until then the /v1 serving endpoints
+answer 503 with ``Retry-After`` too, see :mod:`router.readiness`), ``GET /metrics`` (Prometheus text),
 and, with a cluster controller, ``GET /admin/workers`` and ``POST /admin/scale``. With an API key,
 every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401 otherwise);
 ``/health`` and ``/metrics`` stay open for probes and scrapers.
@@ -24,6 +25,7 @@ from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.errors import install_error_handlers
 from router.http.handlers import OpenAIGateway
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.readiness import check_ready, is_ready
 from router.request_id import RequestIdMiddleware
 from router.serving import Router
 from router.status import ClusterMonitor
@@ -71,6 +73,7 @@ def build_app(
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
+        check_ready(router.pool)  # 503 + Retry-After until a request can be served
         return {
             "object": "list",
             "data": [
@@ -94,7 +97,7 @@ def build_app(
     async def health() -> JSONResponse:
         decode = router.pool.workers("decode")
         prefill = router.pool.workers("prefill")
-        ok = bool(decode)
+        ok = is_ready(router.pool)
         return JSONResponse(
             {
                 "status": "ok" if ok else "unavailable",
