@@ -30,6 +30,7 @@ from decode_worker.request import (
 from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import EngineError
+from pdserve.engine.faults import abort_unless_dropped, delay_stats
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -115,20 +116,22 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                     return
         finally:
             if not done:  # cancelled stream (router gone) or the server is stopping
-                if self.engine.abort(req.request_id):
+                if abort_unless_dropped(self.engine.faults, self.engine.abort, req.request_id):
                     log.info("decode stream for %s closed early; request aborted", req.request_id)
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         """Drop a request; unknown ids are a no-op (found=False)."""
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        found = abort_unless_dropped(self.engine.faults, self.engine.abort, request.request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeStats:
         """Engine counters (see DecodeEngineStats)."""
         # NOTE: DecodeEngineStats' fields are named as the message's, so a new one fails here
+        await delay_stats(self.engine.faults)
         return pb.DecodeStats(**asdict(self.engine.stats()))
 
 

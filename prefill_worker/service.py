@@ -20,6 +20,7 @@ import grpc
 from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
+from pdserve.engine.faults import abort_unless_dropped, delay_stats
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -97,7 +98,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             result = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             # The caller went away (or the server is stopping): free what the request holds.
-            if self.engine.abort(req.request_id):
+            if abort_unless_dropped(self.engine.faults, self.engine.abort, req.request_id):
                 log.info("prefill RPC for %s cancelled; request aborted", req.request_id)
             raise
         except EngineError as e:
@@ -108,13 +109,15 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         """Drop a request at any stage; unknown ids are a no-op (found=False)."""
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        found = abort_unless_dropped(self.engine.faults, self.engine.abort, request.request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillStats:
         """Queue, KV, prefix-cache and throughput counters (see PrefillEngineStats)."""
         # NOTE: PrefillEngineStats' fields are named as the message's, so a new one fails here
+        await delay_stats(self.engine.faults)
         return pb.PrefillStats(worker_id=self.worker_id, **asdict(self.engine.stats()))
 
 
