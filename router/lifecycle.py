@@ -77,7 +77,7 @@ class LifecycleConfig:
     accept_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     kv_timeout_s: float = 0.0
-    no_worker_timeout_s: float = 30.0
+    no_worker_timeout_s: float = 5.0
     max_prefill_attempts: int = 3
     max_replacements: int = 16
     max_backoff_s: float = 0.5
