@@ -23,6 +23,7 @@ from router.errors import Unauthorized
 from router.http.admin import ClusterControl, admin_routes
 from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.errors import install_error_handlers
+from router.http.fault_admin import FaultControl, fault_routes
 from router.http.handlers import OpenAIGateway
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.readiness import check_ready, is_ready
@@ -38,12 +39,14 @@ def build_app(
     api_key: str | None = None,
     control: ClusterControl | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fault_control: FaultControl | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``router``.
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on /v1 and /admin routes.
     ``control``: enables /admin/workers and /admin/scale. ``max_body_bytes``: larger request
-    bodies get 413 (bytes).
+    bodies get 413 (bytes). ``fault_control``: mounts ``POST /admin/faults``
+    (``--enable-fault-injection``; router/http/fault_admin.py).
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -113,5 +116,7 @@ def build_app(
 
     if control is not None:
         app.include_router(admin_routes(control, [Depends(require_key)]))
+    if fault_control is not None:
+        app.include_router(fault_routes(fault_control, [Depends(require_key)]))
     install_error_handlers(app)
     return app
