@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
 
@@ -31,6 +32,7 @@ from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import EngineError
 from pdserve.engine.faults import abort_unless_dropped, delay_stats
+from pdserve.engine.request import wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
-    """Wire request -> engine request. ``deadline_unix_ms`` / ``kv_timeout_s`` 0 mean unset.
+    """Wire request -> engine request. ``deadline_unix_ms`` 0 = the default lease
+    (DEFAULT_LEASE_S); ``kv_timeout_s`` 0 = the engine's default.
 
     Raises SamplingError naming a bad sampling field.
     """
@@ -49,7 +52,7 @@ def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
         sampling=rpc.sampling_from_proto(m.sampling),
         num_output_tokens=m.num_output_tokens,
         prefill_locally=m.prefill_locally,
-        deadline=m.deadline_unix_ms / 1000.0 if m.deadline_unix_ms > 0 else None,
+        deadline=wire_deadline(m.deadline_unix_ms, time.time()),
         kv_timeout_s=m.kv_timeout_s if m.kv_timeout_s > 0 else None,
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -21,6 +22,7 @@ from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
 from pdserve.engine.faults import abort_unless_dropped, delay_stats
+from pdserve.engine.request import wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
-    """Wire request -> engine request. ``deadline_unix_ms`` 0 means none.
+    """Wire request -> engine request. ``deadline_unix_ms`` 0 = the default lease (DEFAULT_LEASE_S).
 
     Raises EngineError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
     a missing KV target.
@@ -56,7 +58,7 @@ def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
             decode_worker_id=m.target.decode_worker_id,
         ),
         num_output_tokens=m.num_output_tokens,
-        deadline=m.deadline_unix_ms / 1000.0 if m.deadline_unix_ms > 0 else None,
+        deadline=wire_deadline(m.deadline_unix_ms, time.time()),
     )
 
 

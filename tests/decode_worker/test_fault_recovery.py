@@ -15,7 +15,13 @@ import pytest
 from decode_kit import prompt
 from engine_cluster import generate, start_engine_cluster
 
+from decode_worker import service as decode_service
 from pdserve.engine.faults import FaultPhase, FaultPlan
+from pdserve.engine.request import DEFAULT_LEASE_S, wire_deadline
+from pdserve.v1 import common_pb2 as cpb
+from pdserve.v1 import worker_pb2 as wpb
+from prefill_worker import service as prefill_service
+from prefill_worker.request import PrefillState
 from router.errors import NoWorkers
 
 pytestmark = pytest.mark.timeout(120)
@@ -132,3 +138,48 @@ async def test_corrupted_payload_detected_and_recomputed() -> None:
         await c.wait_idle(LEASE_S + 1.0)
     finally:
         await c.close()
+
+
+async def test_abort_reaches_a_prefill_mid_send_and_is_idempotent() -> None:
+    """The transfer stalls; the router's Abort reaches the prefill worker while its request is
+    SENDING: its blocks are free at once, and a second Abort is a no-op."""
+    c = await start_engine_cluster(1, 1, prefill_faults=[FaultPlan(stall_transfer_s=2.0)])
+    try:
+        task = asyncio.create_task(generate(c.pool, "r0", PROMPTS[3], MAX_TOKENS))
+        prefill = c.prefills[0].engine
+        t0 = time.monotonic()
+        while prefill.request_state("r0") is not PrefillState.SENDING:  # type: ignore[attr-defined]
+            assert time.monotonic() - t0 < 10
+            await asyncio.sleep(0.01)
+        client = c.pool.workers("prefill")[0].client
+        assert await client.abort("r0", 2.0) is True
+        assert c.prefills[0].idle()  # freed at once, though the send is still stalled
+        assert await client.abort("r0", 2.0) is False  # idempotent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await c.wait_idle(LEASE_S + 1.0)
+    finally:
+        await c.close()
+
+
+SAMPLING = cpb.SamplingParams(max_tokens=1, top_p=1.0, repetition_penalty=1.0)
+
+
+def test_a_wire_request_without_deadline_gets_the_default_lease() -> None:
+    now = time.time()
+    assert wire_deadline(0, now) == now + DEFAULT_LEASE_S
+    assert wire_deadline(1_500, now) == 1.5
+    req = prefill_service.request_from_proto(
+        wpb.PrefillRequest(
+            request_id="x",
+            prompt_token_ids=[1],
+            sampling=SAMPLING,
+            target=wpb.KVTarget(kv_endpoint="loopback:1"),
+        )
+    )
+    assert req.deadline is not None and req.deadline <= time.time() + DEFAULT_LEASE_S
+    dreq = decode_service.request_from_proto(
+        wpb.DecodeRequest(request_id="y", prompt_token_ids=[1], sampling=SAMPLING)
+    )
+    assert dreq.deadline is not None and dreq.deadline > now
