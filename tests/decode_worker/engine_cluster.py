@@ -19,7 +19,7 @@ from decode_kit import TINY, tiny_config
 
 from decode_worker import service as decode_service
 from decode_worker.engine import DecodeEngine
-from pdserve.config import TransferConfig
+from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.faults import FaultInjector, FaultPhase, FaultPlan, WorkerKilled
 from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.sampling_params import SamplingParams
@@ -107,6 +107,31 @@ def _on_kill(w: Worker, loop: asyncio.AbstractEventLoop):  # type: ignore[no-unt
     return kill
 
 
+async def _start_worker(
+    role: str, index: int, plans: Sequence[FaultPlan], cfg: EngineConfig, pool: WorkerPool
+) -> Worker:
+    """Build one engine with its injector (plan ``plans[index]``, else none), serve, register."""
+    loop = asyncio.get_running_loop()
+    w = Worker(f"{role}-{index}", engine=None)  # type: ignore[arg-type]
+    w.faults = FaultInjector(
+        plans[index] if index < len(plans) else FaultPlan(), on_kill=_on_kill(w, loop)
+    )
+    if role == "decode":
+        dengine = await asyncio.to_thread(
+            DecodeEngine.build, cfg, TINY, worker_id=w.worker_id, faults=w.faults
+        )
+        w.engine, (w.server, addr) = dengine, await decode_service.serve(dengine)
+        kv, blocks = dengine.kv_endpoint, dengine.kv.num_blocks
+    else:
+        pengine = await asyncio.to_thread(
+            PrefillEngine.build, cfg, TINY, name=w.worker_id, faults=w.faults
+        )
+        w.engine, (w.server, addr) = pengine, await prefill_service.serve(pengine, w.worker_id)
+        kv, blocks = "", pengine.kv.num_blocks
+    pool.upsert(WorkerInfo(w.worker_id, role, addr, kv, blocks, BLOCK_SIZE))
+    return w
+
+
 async def start_engine_cluster(
     num_prefill: int = 1,
     num_decode: int = 1,
@@ -115,38 +140,18 @@ async def start_engine_cluster(
     num_blocks: int = 64,
 ) -> EngineCluster:
     """Start the workers (plans by index; missing ones break nothing) and a polled pool."""
-    loop = asyncio.get_running_loop()
     base = tiny_config(num_blocks=num_blocks, block_size=BLOCK_SIZE, prefix_caching=True)
     cfg = replace(base, transfer=TransferConfig(backend="loopback", timeout_s=20.0))
     pool = WorkerPool(stats_interval_s=0.1)
-    decodes, prefills = [], []
-    for i in range(num_decode):
-        w = Worker(f"decode-{i}", engine=None)  # type: ignore[arg-type]
-        plan = decode_faults[i] if i < len(decode_faults) else FaultPlan()
-        w.faults = FaultInjector(plan, on_kill=_on_kill(w, loop))
-        engine = await asyncio.to_thread(
-            DecodeEngine.build, cfg, TINY, worker_id=w.worker_id, faults=w.faults
-        )
-        w.engine = engine
-        w.server, addr = await decode_service.serve(engine)
-        pool.upsert(
-            WorkerInfo(w.worker_id, "decode", addr, engine.kv_endpoint, num_blocks, BLOCK_SIZE)
-        )
-        decodes.append(w)
-    for i in range(num_prefill):
-        w = Worker(f"prefill-{i}", engine=None)  # type: ignore[arg-type]
-        plan = prefill_faults[i] if i < len(prefill_faults) else FaultPlan()
-        w.faults = FaultInjector(plan, on_kill=_on_kill(w, loop))
-        pengine = await asyncio.to_thread(
-            PrefillEngine.build, cfg, TINY, name=w.worker_id, faults=w.faults
-        )
-        w.engine = pengine
-        w.server, addr = await prefill_service.serve(pengine, w.worker_id)
-        pool.upsert(WorkerInfo(w.worker_id, "prefill", addr))
-        prefills.append(w)
+    decodes = [
+        await _start_worker("decode", i, decode_faults, cfg, pool) for i in range(num_decode)
+    ]
+    prefills = [
+        await _start_worker("prefill", i, prefill_faults, cfg, pool) for i in range(num_prefill)
+    ]
     await pool.poll_once()
     pool.start()
-    return EngineCluster(pool, prefills, decodes, loop)
+    return EngineCluster(pool, prefills, decodes, asyncio.get_running_loop())
 
 
 def lifecycle_config(**kw: object) -> LifecycleConfig:
