@@ -36,30 +36,30 @@ LONG = 64  # tokens of the stream that outlives its decode worker
 
 
 @pytest.fixture(scope="module")
-def startup() -> Iterator[tuple[ServeProcess, list[tuple[int, int]]]]:
-    """The server, and what polling /v1/models from the moment its port opened saw: a list of
-    (/v1/models status, chat status sent right after it)."""
+def startup() -> Iterator[tuple[ServeProcess, list[tuple[int, int, int]]]]:
+    """The server, and what polling from the moment its port opened saw: a list of
+    (/health, /v1/models right after, a chat request right after that) statuses."""
     srv = ServeProcess(["--num-decode-workers", "2", "--dtype", "float32"])
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
     try:
         end = time.monotonic() + 600
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             while time.monotonic() < end:
                 assert srv.proc.poll() is None, srv.output()
                 try:
-                    models = http.get("/v1/models")
+                    health = http.get("/health")
                 except httpx.TransportError:  # the port is not open yet
                     time.sleep(0.05)
                     continue
-                body = {**CHAT, "max_tokens": 1}
-                chat = http.post("/v1/chat/completions", json=body)
-                seen.append((models.status_code, chat.status_code))
-                if models.status_code == 503:
-                    assert models.headers.get("retry-after"), models.headers
-                    assert http.get("/health").status_code == 503
-                if chat.status_code == 503:
-                    assert chat.headers.get("retry-after"), chat.headers
-                if models.status_code == 200 and chat.status_code == 200:
+                # in this order: readiness only grows during startup, so a later call may only
+                # see the same answer or a better one
+                models = http.get("/v1/models")
+                chat = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+                seen.append((health.status_code, models.status_code, chat.status_code))
+                for r in (health, models, chat):
+                    if r.status_code == 503 and r is not health:
+                        assert r.headers.get("retry-after"), (r.url, r.headers)
+                if chat.status_code == 200:
                     break
                 time.sleep(0.2)
         srv.wait_ready(timeout_s=300)
@@ -69,14 +69,15 @@ def startup() -> Iterator[tuple[ServeProcess, list[tuple[int, int]]]]:
 
 
 def test_models_never_200_while_chat_would_be_refused(
-    startup: tuple[ServeProcess, list[tuple[int, int]]],
+    startup: tuple[ServeProcess, list[tuple[int, int, int]]],
 ) -> None:
     _, seen = startup
-    assert seen and seen[-1] == (200, 200), seen
-    assert seen[0][0] == 503, f"the port opened with the workers already up? {seen[:3]}"
-    for models, chat in seen:
-        assert models in (200, 503) and chat in (200, 503), seen
-        assert not (models == 200 and chat == 503), seen
+    assert seen and seen[-1][1:] == (200, 200), seen
+    assert seen[0] == (503, 503, 503), f"the port opened with the workers already up? {seen[:3]}"
+    for health, models, chat in seen:
+        assert {health, models, chat} <= {200, 503}, seen
+        assert not (health == 200 and models == 503), seen  # /health up, /v1/models still not
+        assert not (models == 200 and chat == 503), seen  # /v1/models up, chat refused
 
 
 def _decode_workers(url: str) -> list[dict]:
@@ -115,7 +116,7 @@ def _stream(url: str, kill_after: int | None) -> tuple[list[str], dict | None]:
 
 
 def test_decode_worker_killed_mid_stream_float32_identical(
-    startup: tuple[ServeProcess, list[tuple[int, int]]],
+    startup: tuple[ServeProcess, list[tuple[int, int, int]]],
 ) -> None:
     srv, _ = startup
     assert len(_decode_workers(srv.url)) == 2
