@@ -26,6 +26,9 @@ channel; senders rebuild channels idle for half that long before using them, so 
 never costs a transfer. NOTE: after :meth:`TorchDistReceiver.close` a channel thread may stay
 blocked in its header wait until that idle timeout (gloo offers no way to wake it); it holds no
 port and exits on its own.
+
+NOTE: a little over 450 lines on purpose: sender and receiver are the two halves of one pairing
+handshake, kept side by side so a protocol change edits both in one place.
 """
 
 from __future__ import annotations

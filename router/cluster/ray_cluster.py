@@ -6,6 +6,9 @@ Workers are Ray actors (the classes the caller passes: ``prefill_worker.actor.Pr
 the :class:`router.pool.WorkerPool` this module keeps up to date. Startup, health, scaling and
 multi-node rules (node addresses, role placement by custom resources, node failure, joining
 with Ray token authentication through :mod:`router.cluster.ray_join`): docs/cluster.md.
+
+NOTE: a little over 450 lines on purpose: launch, health checks, restart and scale all change
+the same actor table under one lock, and splitting them would spread that invariant over files.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Each handler checks the model name and sampling, prepares the prompt(s) through 
 shared :class:`~router.prompts.PromptPreparer` (off the event loop), submits one request stream
 per prompt and answers with one JSON body or a Server-Sent Events stream. Streams send one
 ``data:`` chunk per output token (its text may be "" while a stop string is pending),
-``finish_reason`` null until the sequence's last chunk, then ``data: [DONE]``; chat streams open
-each choice with a ``{"role": "assistant", "content": ""}`` delta, and
+``finish_reason`` null until the sequence's last chunk, then ``data: [DONE]``; a chat choice's
+first chunk carries ``"role": "assistant"`` together with its first token's text (nothing is sent
+before the first token exists, so TTFT measured by clients is real), and
 ``stream_options.include_usage`` adds ``"usage": null`` to every chunk and one final chunk with
 empty ``choices`` and the usage.
 """
@@ -74,18 +75,20 @@ class OpenAIGateway:
         if body.stream:
             extra = {"usage": None} if body.include_usage else {}
 
-            def chunk(delta: ChoiceDelta | None, index: int) -> str:
+            opened: set[int] = set()  # choices whose first chunk (with the role) went out
+
+            def chunk(delta: ChoiceDelta) -> str:
                 lp = None
-                if delta is not None and delta.tokens and sampling.logprobs:
+                if delta.tokens and sampling.logprobs:
                     lp = self.logprobs.chat(delta.tokens, top)
-                choice = chat_chunk_choice(delta, index, lp)
+                first = delta.index not in opened
+                opened.add(delta.index)
+                choice = chat_chunk_choice(delta, delta.index, lp, first)
                 return sse({**head, "system_fingerprint": None, "choices": [choice], **extra})
 
             async def events() -> AsyncIterator[str]:
-                for i in range(sampling.n):
-                    yield chunk(None, i)
                 async for d in stream:
-                    yield chunk(d, d.index)
+                    yield chunk(d)
                 if body.include_usage:
                     yield sse({**head, "choices": [], "usage": usage([stream])})
 

@@ -83,15 +83,14 @@ class Logprobs:
 
 
 def chat_chunk_choice(
-    delta: ChoiceDelta | None, index: int, logprobs: dict[str, Any] | None
+    delta: ChoiceDelta, index: int, logprobs: dict[str, Any] | None, first: bool = False
 ) -> dict[str, Any]:
-    """One choice of a ``chat.completion.chunk``; ``delta`` None opens the choice with the
-    assistant role."""
+    """One choice of a ``chat.completion.chunk``. ``first``: the choice's first chunk, which
+    carries the assistant role with the first token's text (so no chunk precedes the first
+    token and clients measure TTFT from real output, as with vLLM's server)."""
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": None}
-    if delta is None:
-        choice["delta"] = {"role": "assistant", "content": ""}
-        return choice
-    choice["delta"] = {"content": delta.text} if delta.text else {}
+    content: dict[str, Any] = {"content": delta.text} if delta.text or first else {}
+    choice["delta"] = {"role": "assistant", **content} if first else content
     choice["finish_reason"] = delta.finish_reason
     if delta.finish_reason is not None:
         choice["stop_reason"] = delta.stop_reason

@@ -108,8 +108,11 @@ async def test_chat_streaming_one_token_per_chunk_with_usage(tokenizer: Tokenize
         assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
         body = chunks[:-1]
         assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in body)
-        assert body[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        token_chunks = body[1:]
+        # the role rides in the first token's chunk: nothing goes out before the first token
+        assert body[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert body[0]["choices"][0]["delta"]["content"] != ""
+        assert all("role" not in c["choices"][0]["delta"] for c in body[1:])
+        token_chunks = body
         n_tokens = usage_chunk["usage"]["completion_tokens"]
         assert len(token_chunks) == n_tokens  # one chunk per token, EOS (the finish) included
         assert all(c["choices"][0]["finish_reason"] is None for c in body[:-1])
@@ -117,7 +120,7 @@ async def test_chat_streaming_one_token_per_chunk_with_usage(tokenizer: Tokenize
         assert (
             body[-1]["choices"][0]["stop_reason"] is None and body[-1]["choices"][0]["delta"] == {}
         )
-        assert all(c["choices"][0]["delta"] for c in body[1:-1])  # no empty token chunk
+        assert all(c["choices"][0]["delta"] for c in body[:-1])  # no empty token chunk
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in body)
         assert text == ANSWER
         lp = token_chunks[0]["choices"][0]["logprobs"]["content"][0]
