@@ -107,8 +107,7 @@ def _stream(url: str, kill_after: int | None) -> tuple[list[str], dict | None]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
-                if "role" not in choice["delta"]:  # one chunk per token after the role chunk
-                    pieces.append(choice["delta"].get("content") or "")
+                pieces.append(choice["delta"].get("content") or "")  # one chunk per token
             if kill_after is not None and victim is None and len(pieces) >= kill_after:
                 victim = next(w for w in decode if _num_running(w["grpc_address"]) > 0)
                 os.kill(victim["pid"], signal.SIGKILL)
