@@ -39,7 +39,10 @@ class DecodeActor(WorkerActor[DecodeEngine]):
     def build_engine(self, config: EngineConfig) -> DecodeEngine:
         """Load the model and open the KV receiver (runs in a worker thread)."""
         return DecodeEngine.build(
-            config, worker_id=self.worker_id, allow_local_prefill=self.allow_local_prefill
+            config,
+            worker_id=self.worker_id,
+            allow_local_prefill=self.allow_local_prefill,
+            faults=self.faults,
         )
 
     async def serve(

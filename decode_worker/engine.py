@@ -40,6 +40,7 @@ from pdserve.engine.errors import (
     UNAVAILABLE,
     EngineError,
 )
+from pdserve.engine.faults import FaultInjector, FaultPhase
 from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.types import SampledToken
 
@@ -83,8 +84,8 @@ class DecodeEngine(WorkerEngine):
     ``allow_local_prefill``: unified mode allowed (``prefill_locally`` requests; refused with
     FAILED_PRECONDITION otherwise). ``default_kv_timeout_s``: how long a reservation waits for its
     KV when the request names no timeout (default ``config.transfer.timeout_s``). ``clock``: wall
-    time in seconds (deadlines are ``time.time()`` values). Raises ConfigError while building the
-    runner.
+    time in seconds (deadlines are ``time.time()`` values). ``faults``: fault injection (see
+    pdserve/engine/faults.py). Raises ConfigError while building the runner.
     """
 
     def __init__(
@@ -99,12 +100,13 @@ class DecodeEngine(WorkerEngine):
         default_kv_timeout_s: float | None = None,
         idle_poll_s: float = 0.05,
         clock: Callable[[], float] = time.time,
+        faults: FaultInjector | None = None,
     ) -> None:
         if runner is None:
             from pdserve.engine.runner import ModelRunner
 
             runner = ModelRunner(config, model_config)
-        super().__init__(config, runner, name=worker_id, idle_poll_s=idle_poll_s)
+        super().__init__(config, runner, name=worker_id, idle_poll_s=idle_poll_s, faults=faults)
         self.worker_id = worker_id
         self.receiver = receiver
         self.allow_local_prefill = allow_local_prefill
@@ -139,6 +141,7 @@ class DecodeEngine(WorkerEngine):
         worker_id: str = "decode-0",
         allow_local_prefill: bool = True,
         kv_port: int = 0,
+        faults: FaultInjector | None = None,
     ) -> DecodeEngine:
         """Load the model per ``config.load`` (``model_config`` for dummy weights) and open the
         KV receiver of ``config.transfer.backend`` on ``config.transfer.host:kv_port`` (0 = a
@@ -156,6 +159,7 @@ class DecodeEngine(WorkerEngine):
             runner=runner,
             receiver=receiver,
             allow_local_prefill=allow_local_prefill,
+            faults=faults,
         )
         engine._owns_receiver = True
         return engine
@@ -298,6 +302,8 @@ class DecodeEngine(WorkerEngine):
         """
         with self._lock:
             self._apply_kv_notices()
+            if self.faults is not None and self.scheduler.num_running:
+                self.faults.at(FaultPhase.DECODE_RUNNING)
             output = self.scheduler.schedule()
             self._flush()
             if output.is_empty:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
 
@@ -30,6 +31,8 @@ from decode_worker.request import (
 from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import EngineError
+from pdserve.engine.faults import abort_unless_dropped, delay_stats
+from pdserve.engine.request import wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
-    """Wire request -> engine request. ``deadline_unix_ms`` / ``kv_timeout_s`` 0 mean unset.
+    """Wire request -> engine request. ``deadline_unix_ms`` 0 = the default lease
+    (DEFAULT_LEASE_S); ``kv_timeout_s`` 0 = the engine's default.
 
     Raises SamplingError naming a bad sampling field.
     """
@@ -48,7 +52,7 @@ def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
         sampling=rpc.sampling_from_proto(m.sampling),
         num_output_tokens=m.num_output_tokens,
         prefill_locally=m.prefill_locally,
-        deadline=m.deadline_unix_ms / 1000.0 if m.deadline_unix_ms > 0 else None,
+        deadline=wire_deadline(m.deadline_unix_ms, time.time()),
         kv_timeout_s=m.kv_timeout_s if m.kv_timeout_s > 0 else None,
     )
 
@@ -115,20 +119,22 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                     return
         finally:
             if not done:  # cancelled stream (router gone) or the server is stopping
-                if self.engine.abort(req.request_id):
+                if abort_unless_dropped(self.engine.faults, self.engine.abort, req.request_id):
                     log.info("decode stream for %s closed early; request aborted", req.request_id)
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         """Drop a request; unknown ids are a no-op (found=False)."""
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        found = abort_unless_dropped(self.engine.faults, self.engine.abort, request.request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeStats:
         """Engine counters (see DecodeEngineStats)."""
         # NOTE: DecodeEngineStats' fields are named as the message's, so a new one fails here
+        await delay_stats(self.engine.faults)
         return pb.DecodeStats(**asdict(self.engine.stats()))
 
 

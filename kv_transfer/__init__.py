@@ -38,9 +38,10 @@ from kv_transfer.base import (
 
 if TYPE_CHECKING:
     from pdserve.config import TransferConfig
+    from pdserve.engine.faults import FaultInjector
     from pdserve.kv_cache.pool import KVPool
 
-# (layout, *, device, timeout_s, checksum, auth_token, host)
+# (layout, *, device, timeout_s, checksum, auth_token, host, faults)
 SenderFactory = Callable[..., KVSender]
 # (pool, layout, *, host, port, timeout_s, bind_host, auth_token)
 ReceiverFactory = Callable[..., KVReceiver]
@@ -74,9 +75,14 @@ def get_backend(name: str) -> Backend:
 
 
 def make_sender(
-    config: TransferConfig, layout: KVLayout, device: str | torch.device = "cpu"
+    config: TransferConfig,
+    layout: KVLayout,
+    device: str | torch.device = "cpu",
+    faults: FaultInjector | None = None,
 ) -> KVSender:
-    """A sender of ``config.backend`` for KV of ``layout`` living on ``device``."""
+    """A sender of ``config.backend`` for KV of ``layout`` living on ``device``; ``faults``
+    (tests, --enable-fault-injection) may stall or corrupt its transfers and turns the checksum
+    on."""
     return get_backend(config.backend).sender(
         layout,
         device=device,
@@ -84,6 +90,7 @@ def make_sender(
         checksum=config.checksum,
         auth_token=config.auth_token,
         host=config.host,
+        faults=faults,
     )
 
 

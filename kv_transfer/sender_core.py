@@ -34,6 +34,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +60,9 @@ from kv_transfer.wire import (
     checksum,
     payload_to_wire,
 )
+
+if TYPE_CHECKING:
+    from pdserve.engine.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +114,9 @@ class QueuedSender(KVSender):
     ``device``: where payloads live ('cpu' or a CUDA device). ``timeout_s``: bound on connecting
     and, separately, on one transfer from header to ack. ``checksum``: add a CRC-32 of the
     payload for the receiver to verify. ``ping_after_idle_s``: ping a channel idle this long
-    before reusing it (see the module docstring).
+    before reusing it (see the module docstring). ``faults``: stall or corrupt transfers on
+    purpose (tests, ``/admin/faults``); with an injector the checksum is always on, so a
+    corrupted payload is refused by the receiver, never scattered.
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class QueuedSender(KVSender):
         timeout_s: float = 30.0,
         checksum: bool = False,
         ping_after_idle_s: float = 1.0,
+        faults: FaultInjector | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -130,7 +137,8 @@ class QueuedSender(KVSender):
         self.layout = layout
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
-        self.checksum = checksum
+        self.faults = faults
+        self.checksum = checksum or faults is not None
         self._stats = StatsCounter()
         self._lock = threading.Lock()
         self._peers: dict[str, _PeerQueue] = {}
@@ -291,13 +299,22 @@ class _PeerQueue:
         started = time.monotonic()
         if header.has_checksum:
             header = replace(header, checksum=checksum(job.payload))
+        payload = job.payload
+        if s.faults is not None:
+            stall = s.faults.transfer_stall_s()
+            if stall:
+                log.warning(
+                    "fault injection: stalling KV transfer %d %.1f s", header.transfer_id, stall
+                )
+                time.sleep(stall)
+            payload = s.faults.corrupt(payload)
         for attempt in (0, 1):
             fresh = True
             try:
                 fresh = self._ensure_channel()
                 assert self.channel is not None
                 started = time.monotonic()  # the record's ms run from header send to ack
-                ack = self.channel.transfer(header, job.payload, started + s.timeout_s)
+                ack = self.channel.transfer(header, payload, started + s.timeout_s)
                 self.last_used = time.monotonic()
             except StaleChannelError as e:
                 self._teardown(graceful=False)

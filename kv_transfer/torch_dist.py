@@ -86,6 +86,7 @@ from kv_transfer.wire import (
 from pdserve.auth import secrets_match
 
 if TYPE_CHECKING:
+    from pdserve.engine.faults import FaultInjector
     from pdserve.kv_cache.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class TorchDistSender(QueuedSender):
     """Sends KV over one pair group per decode worker (see :class:`QueuedSender`).
 
     ``device``: 'cpu' (gloo) or a CUDA device (NCCL); ``kv`` passed to ``send`` must live there.
+    ``faults``: fault injection (see :class:`QueuedSender`).
     ``auth_token``: the internal token presented in every hello (None = none). ``host``: this
     worker's own address, where its gloo socket listens (None = the local address that routes
     to each peer).
@@ -170,6 +172,7 @@ class TorchDistSender(QueuedSender):
         ping_after_idle_s: float = 1.0,
         auth_token: str | None = None,
         host: str | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         super().__init__(
             layout,
@@ -177,6 +180,7 @@ class TorchDistSender(QueuedSender):
             timeout_s=timeout_s,
             checksum=checksum,
             ping_after_idle_s=ping_after_idle_s,
+            faults=faults,
         )
         self.wire = wire_backend(self.device)
         self._who = f"{socket.gethostname()}:{os.getpid()}"

@@ -300,6 +300,9 @@ class EngineConfig:
     # gRPC services and KV handshakes require (None = no check). Never printed.
     worker_host: str | None = None
     internal_token: str | None = field(default=None, repr=False)
+    # --enable-fault-injection: the worker holds a FaultInjector (pdserve/engine/faults.py) that
+    # /admin/faults can arm; its KV sender then checksums every payload. Off in production.
+    enable_fault_injection: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class PrefillActor(WorkerActor[PrefillEngine]):
 
     def build_engine(self, config: EngineConfig) -> PrefillEngine:
         """Load the model and build the KV sender (runs in a worker thread)."""
-        return PrefillEngine.build(config, name=self.worker_id)
+        return PrefillEngine.build(config, name=self.worker_id, faults=self.faults)
 
     async def serve(
         self,

@@ -37,6 +37,7 @@ from pdserve.engine.errors import (
     UNAVAILABLE,
     EngineError,
 )
+from pdserve.engine.faults import FaultInjector, FaultPhase
 from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillResult, PrefillState
@@ -93,8 +94,9 @@ class PrefillEngine(WorkerEngine):
         sender: KVSender | None = None,
         *,
         name: str = "prefill",
+        faults: FaultInjector | None = None,
     ) -> None:
-        super().__init__(config, runner, name=name)
+        super().__init__(config, runner, name=name, faults=faults)
         self.sender = sender
         self.scheduler = PrefillScheduler(config.scheduler, self.kv)
         self._pending: dict[str, _Pending] = {}
@@ -114,11 +116,13 @@ class PrefillEngine(WorkerEngine):
         sender: KVSender | None = None,
         *,
         name: str = "prefill",
+        faults: FaultInjector | None = None,
     ) -> PrefillEngine:
         """Load the model per ``config.load`` (``model_config`` for dummy weights) and wrap it.
 
         Without ``sender``, builds one of ``config.transfer.backend`` for this pool's KV layout;
-        the engine then owns it and closes it in :meth:`shutdown`.
+        the engine then owns it and closes it in :meth:`shutdown`. ``faults`` goes to the engine
+        and the sender it builds.
         """
         from kv_transfer import make_sender
         from kv_transfer.base import KVLayout
@@ -126,10 +130,10 @@ class PrefillEngine(WorkerEngine):
 
         runner = ModelRunner(config, model_config)
         if sender is not None:
-            return cls(config, runner, sender, name=name)
+            return cls(config, runner, sender, name=name, faults=faults)
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
-        sender = make_sender(config.transfer, layout, device=runner.device)
-        engine = cls(config, runner, sender, name=name)
+        sender = make_sender(config.transfer, layout, device=runner.device, faults=faults)
+        engine = cls(config, runner, sender, name=name, faults=faults)
         engine._owns_sender = True
         return engine
 
@@ -209,6 +213,8 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             self._drain_completions()
             self._expire_deadlines()
+            if self.faults is not None and self.scheduler.num_waiting:
+                self.faults.at(FaultPhase.PREFILL_QUEUED)
             output = self.scheduler.schedule()
         if output.is_empty:
             return 0
@@ -239,6 +245,8 @@ class PrefillEngine(WorkerEngine):
             self._complete(p, None)
             return
         assert self.sender is not None  # checked in add_request
+        if self.faults is not None:
+            self.faults.at(FaultPhase.KV_SEND)
         table = self.kv.block_table(seq.request_id)
         kv = self.runner.kv_pool.gather(table, seq.num_prompt_tokens)  # [L, 2, T, H, D], a copy
         # NOTE: on CUDA the gather is queued on the compute stream and the sender moves it on its

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -20,6 +21,8 @@ import grpc
 from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
+from pdserve.engine.faults import abort_unless_dropped, delay_stats
+from pdserve.engine.request import wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
-    """Wire request -> engine request. ``deadline_unix_ms`` 0 means none.
+    """Wire request -> engine request. ``deadline_unix_ms`` 0 = the default lease (DEFAULT_LEASE_S).
 
     Raises EngineError(INVALID_ARGUMENT) naming a bad sampling field, a missing request id or
     a missing KV target.
@@ -55,7 +58,7 @@ def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
             decode_worker_id=m.target.decode_worker_id,
         ),
         num_output_tokens=m.num_output_tokens,
-        deadline=m.deadline_unix_ms / 1000.0 if m.deadline_unix_ms > 0 else None,
+        deadline=wire_deadline(m.deadline_unix_ms, time.time()),
     )
 
 
@@ -97,7 +100,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             result = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             # The caller went away (or the server is stopping): free what the request holds.
-            if self.engine.abort(req.request_id):
+            if abort_unless_dropped(self.engine.faults, self.engine.abort, req.request_id):
                 log.info("prefill RPC for %s cancelled; request aborted", req.request_id)
             raise
         except EngineError as e:
@@ -108,13 +111,15 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         """Drop a request at any stage; unknown ids are a no-op (found=False)."""
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        found = abort_unless_dropped(self.engine.faults, self.engine.abort, request.request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillStats:
         """Queue, KV, prefix-cache and throughput counters (see PrefillEngineStats)."""
         # NOTE: PrefillEngineStats' fields are named as the message's, so a new one fails here
+        await delay_stats(self.engine.faults)
         return pb.PrefillStats(worker_id=self.worker_id, **asdict(self.engine.stats()))
 
 

@@ -41,6 +41,7 @@ from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.openai_protocol import CHAT_ROLES
+from router.readiness import is_ready
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,10 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: gpb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gpb.ListModelsResponse:
+        if not is_ready(self.router.pool):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the server is not ready: no decode worker is up yet"
+            )
         return gpb.ListModelsResponse(
             models=[
                 gpb.ModelInfo(id=self.router.model_name, max_model_len=self.router.max_model_len)
@@ -197,7 +202,7 @@ class GrpcGateway:
         self._watcher = asyncio.get_running_loop().create_task(self._watch_health())
 
     async def _update_health(self) -> None:
-        up = bool(self.router.pool.workers("decode"))
+        up = is_ready(self.router.pool)
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if up

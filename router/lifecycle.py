@@ -33,6 +33,7 @@ from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
+from router.readiness import STARTING_RETRY_AFTER_S
 from router.request_log import SequenceTrace
 from router.request_state import TERMINAL, RequestState, check_transition
 from router.request_state import RequestState as S
@@ -76,7 +77,7 @@ class LifecycleConfig:
     accept_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     kv_timeout_s: float = 0.0
-    no_worker_timeout_s: float = 30.0
+    no_worker_timeout_s: float = 5.0
     max_prefill_attempts: int = 3
     max_replacements: int = 16
     max_backoff_s: float = 0.5
@@ -262,7 +263,10 @@ class RequestLifecycle:
                 now = time.monotonic()
                 no_worker_since = no_worker_since or now
                 if now - no_worker_since > self.config.no_worker_timeout_s:
-                    raise NoWorkers("no decode worker is available; try again later")
+                    raise NoWorkers(
+                        "no decode worker is available; try again later",
+                        retry_after_s=STARTING_RETRY_AFTER_S,
+                    )
                 await self.pool.wait_changed(min(left, 0.5))
                 continue
             no_worker_since = None

@@ -35,6 +35,7 @@ class FrontendConfig:
     grpc_port: int = ServeConfig.grpc_port
     api_key: str | None = None
     log_level: str = "warning"
+    enable_fault_injection: bool = False  # mounts /admin/faults over the cluster controller
 
 
 class _Uvicorn(uvicorn.Server):
@@ -70,7 +71,13 @@ class Frontend:
     ) -> None:
         self.router = router
         self.config = config
-        self.app = build_app(router, api_key=config.api_key, control=control)
+        faults = control if config.enable_fault_injection else None
+        self.app = build_app(
+            router,
+            api_key=config.api_key,
+            control=control,
+            fault_control=faults,  # type: ignore[arg-type]
+        )
         self.grpc = GrpcGateway(
             router, host=config.host, port=config.grpc_port, api_key=config.api_key
         )

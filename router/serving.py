@@ -38,6 +38,7 @@ from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
 from router.prompts import PromptPreparer
+from router.readiness import check_ready
 from router.request_id import current_request_id
 from router.request_log import RequestLog
 from router.serving_stats import ServingStats
@@ -363,7 +364,8 @@ class Router:
         sampling: SamplingParams,
         prompt_param: str = "prompt",
     ) -> RequestStream:
-        """Validate and admit one prompt. Raises BadRequest / ContextLengthExceeded / Overloaded.
+        """Validate and admit one prompt. Raises NoWorkers (not ready) / BadRequest /
+        ContextLengthExceeded / Overloaded.
 
         ``sampling.max_tokens`` None = the rest of the context. ``prompt_param`` names the request
         field the prompt came from in errors ("prompt" or "messages"). The returned stream must be
@@ -371,6 +373,7 @@ class Router:
         """
         arrival = time.monotonic()
         ids = list(prompt_token_ids)
+        check_ready(self.pool)  # 503 + Retry-After while no decode worker is up
         self.check_token_ids(ids, prompt_param)
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
         if sampling.n > self.config.max_n:

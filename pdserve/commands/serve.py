@@ -29,6 +29,7 @@ from pdserve.commands.serve_flags import (
     HelpFormatter,
     add_cluster_args,
     add_engine_args,
+    add_fault_args,
     add_frontend_args,
     add_model_args,
 )
@@ -58,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_args(p)
     add_engine_args(p)
     add_frontend_args(p)
+    add_fault_args(p)
     add_multinode_args(p, launches_workers=True)
     p.set_defaults(func=run)
 
@@ -154,6 +156,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
         worker_host=args.worker_host,
         internal_token=internal_token(args),
+        enable_fault_injection=args.enable_fault_injection,
     )
     unified = args.mode == "unified"
     serve = ServeConfig(
@@ -286,7 +289,14 @@ async def serve_async(
     )
     frontend = Frontend(
         router,
-        FrontendConfig(s.host, s.port, s.grpc_port, s.api_key, log_level="warning"),
+        FrontendConfig(
+            s.host,
+            s.port,
+            s.grpc_port,
+            s.api_key,
+            log_level="warning",
+            enable_fault_injection=s.engine.enable_fault_injection,
+        ),
         control=cluster,
     )
     await frontend.start()  # ports first: a conflict fails before any worker starts

@@ -28,6 +28,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fault_args(p: argparse.ArgumentParser) -> None:
+    """--enable-fault-injection (reliability drills; never in production)."""
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="let POST /admin/faults arm worker faults (kill at a phase, stall/corrupt a KV "
+        "transfer, drop aborts, delay GetStats); KV payloads are then always checksummed",
+    )
+
+
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     """Gateways, auth and admission flags."""
     g = p.add_argument_group("gateways")

@@ -21,13 +21,14 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
 
 from pdserve.auth import internal_token_check
 from pdserve.config import EngineConfig
+from pdserve.engine.faults import FaultInjector, FaultPlan
 from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.net import engine_config_for, worker_address
 from pdserve.worker_info import WorkerInfo
@@ -55,6 +56,8 @@ class WorkerActor(ABC, Generic[E]):
         self.config = config
         self.num_cpus = num_cpus
         torch.set_num_threads(threads_for(num_cpus))
+        # armed through set_faults (/admin/faults) when --enable-fault-injection is given
+        self.faults = FaultInjector() if config.enable_fault_injection else None
         self.engine: E | None = None
         self._server: grpc.aio.Server | None = None
         self._info: WorkerInfo | None = None
@@ -119,6 +122,17 @@ class WorkerActor(ABC, Generic[E]):
             torch.get_num_threads(),
         )
         return self._info
+
+    async def set_faults(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Arm this worker's fault injector with ``plan`` (a :class:`FaultPlan` as a dict);
+        returns the plan now in force. Raises RuntimeError when fault injection is off,
+        ValueError for a bad plan."""
+        if self.faults is None:
+            raise RuntimeError(f"worker {self.worker_id} runs without --enable-fault-injection")
+        armed = FaultPlan.from_dict(plan)
+        self.faults.set(armed)
+        log.warning("worker %s: fault plan armed: %s", self.worker_id, armed.to_dict())
+        return armed.to_dict()
 
     async def ping(self) -> bool:
         """True while the actor is alive (and, once started, its step loop thread runs)."""

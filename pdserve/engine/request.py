@@ -15,6 +15,16 @@ from dataclasses import dataclass
 from pdserve.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, EngineError
 from pdserve.sampling_params import SamplingError, SamplingParams
 
+# Seconds a worker keeps a request whose caller named no deadline: the router always names one,
+# so this only bounds what a lost caller leaves behind (every per-request state has a lease).
+DEFAULT_LEASE_S = 3600.0
+
+
+def wire_deadline(deadline_unix_ms: int, now: float) -> float:
+    """The ``time.time()`` deadline of a wire request: ``deadline_unix_ms`` / 1000, or
+    ``now + DEFAULT_LEASE_S`` when it is 0 (unset)."""
+    return deadline_unix_ms / 1000.0 if deadline_unix_ms > 0 else now + DEFAULT_LEASE_S
+
 
 @dataclass(frozen=True)
 class EngineRequest:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
 from pdserve.engine.errors import INTERNAL, UNAVAILABLE
+from pdserve.engine.faults import FaultInjector, WorkerKilled
 from pdserve.engine.step_window import StepWindow
 from pdserve.kv_cache.manager import KVCacheManager
 
@@ -35,13 +36,21 @@ class WorkerEngine(ABC):
 
     ``name``: names the loop thread and log lines (e.g. 'decode-0'). ``idle_poll_s``: seconds the
     loop sleeps when a step computed nothing and no wake-up came (it still expires deadlines and
-    applies transfer completions at that pace).
+    applies transfer completions at that pace). ``faults``: fault injection (tests,
+    ``--enable-fault-injection``; see pdserve/engine/faults.py), None = none.
     """
 
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, *, name: str, idle_poll_s: float = 0.05
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        *,
+        name: str,
+        idle_poll_s: float = 0.05,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.config = config
+        self.faults = faults
         self.runner = runner
         self.name = name
         self.idle_poll_s = idle_poll_s
@@ -109,6 +118,9 @@ class WorkerEngine(ABC):
             self._wake.clear()  # before looking at the state, so no wake-up is lost
             try:
                 computed = self.step()
+            except WorkerKilled:  # an injected in-process crash: the loop dies with the worker
+                log.error("%s: step loop killed by fault injection", self.name)
+                return
             except Exception as e:  # noqa: BLE001 - a bug: fail what is live, keep serving
                 log.exception("%s step failed", self.name)
                 self._fail_all(INTERNAL, f"{self.name} step failed: {type(e).__name__}: {e}")

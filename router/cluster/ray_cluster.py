@@ -380,6 +380,13 @@ class RayCluster:
                 log.error("replacement %s worker failed to start: %s", role, e)
             return
 
+    async def set_faults(self, worker_id: str, plan: dict[str, Any]) -> dict[str, Any]:
+        """Arm a fault plan on one worker (``/admin/faults``). Raises KeyError for an unknown
+        worker; the actor's error (fault injection off, bad plan) otherwise."""
+        actor = self._actors[worker_id]
+        armed: dict[str, Any] = await actor.handle.set_faults.remote(plan)
+        return armed
+
     def describe(self) -> list[dict[str, Any]]:
         """One dict per actor: id, role, node address, addresses, state, health and restart
         count (for /admin). ``state``: starting | ready | unhealthy | down | retiring."""

@@ -1,7 +1,8 @@
 """The FastAPI application: routes, authentication, the body-size limit and error handlers.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (200 when a decode worker is up, else 503), ``GET /metrics`` (Prometheus text),
+``GET /health`` (200 when a decode worker is up, else 503; until then the /v1 serving endpoints
+answer 503 with ``Retry-After`` too, see :mod:`router.readiness`), ``GET /metrics`` (Prometheus text),
 and, with a cluster controller, ``GET /admin/workers`` and ``POST /admin/scale``. With an API key,
 every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401 otherwise);
 ``/health`` and ``/metrics`` stay open for probes and scrapers.
@@ -22,8 +23,10 @@ from router.errors import Unauthorized
 from router.http.admin import ClusterControl, admin_routes
 from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.errors import install_error_handlers
+from router.http.fault_admin import FaultControl, fault_routes
 from router.http.handlers import OpenAIGateway
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.readiness import check_ready, is_ready
 from router.request_id import RequestIdMiddleware
 from router.serving import Router
 from router.status import ClusterMonitor
@@ -36,12 +39,14 @@ def build_app(
     api_key: str | None = None,
     control: ClusterControl | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fault_control: FaultControl | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``router``.
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on /v1 and /admin routes.
     ``control``: enables /admin/workers and /admin/scale. ``max_body_bytes``: larger request
-    bodies get 413 (bytes).
+    bodies get 413 (bytes). ``fault_control``: mounts ``POST /admin/faults``
+    (``--enable-fault-injection``; router/http/fault_admin.py).
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -71,6 +76,7 @@ def build_app(
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
+        check_ready(router.pool)  # 503 + Retry-After until a request can be served
         return {
             "object": "list",
             "data": [
@@ -94,7 +100,7 @@ def build_app(
     async def health() -> JSONResponse:
         decode = router.pool.workers("decode")
         prefill = router.pool.workers("prefill")
-        ok = bool(decode)
+        ok = is_ready(router.pool)
         return JSONResponse(
             {
                 "status": "ok" if ok else "unavailable",
@@ -110,5 +116,7 @@ def build_app(
 
     if control is not None:
         app.include_router(admin_routes(control, [Depends(require_key)]))
+    if fault_control is not None:
+        app.include_router(fault_routes(fault_control, [Depends(require_key)]))
     install_error_handlers(app)
     return app

@@ -96,3 +96,16 @@ class ServeProcess:
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of the Prometheus samples ``name`` (optionally only those whose line holds ``labels``)
+    on the server at ``url``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not labels or labels in line) and " " in line:
+            head = line.split(" ")[0]
+            if head == name or head.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -23,7 +23,7 @@ import grpc
 import httpx
 import pytest
 from multinode_kit import LocalCluster, connections_between
-from serve_process import ROOT, ServeProcess
+from serve_process import ROOT, ServeProcess, metric
 
 from pdserve.auth import INTERNAL_TOKEN_HEADER
 from pdserve.v1 import worker_pb2 as wpb
@@ -61,17 +61,6 @@ def chat(url: str, max_tokens: int = 24, **extra: object) -> str:
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (not labels or labels in line) and " " in line:
-            head = line.split(" ")[0]
-            if head == name or head.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture(scope="module")
