@@ -26,6 +26,7 @@ from router.http.errors import install_error_handlers
 from router.http.fault_admin import FaultControl, fault_routes
 from router.http.handlers import OpenAIGateway
 from router.http.header_limit import MAX_HEADER_BYTES, HeaderSizeLimit
+from router.http.openapi import install_openapi
 from router.http.stream_limit import (
     DEFAULT_MAX_CONCURRENT_STREAMS,
     StreamLimiter,
@@ -137,4 +138,5 @@ def build_app(
     if fault_control is not None:
         app.include_router(fault_routes(fault_control, [Depends(require_key)]))
     install_error_handlers(app)
+    install_openapi(app)  # documents the error responses above (router/http/openapi.py)
     return app
