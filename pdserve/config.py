@@ -322,8 +322,13 @@ class ServeConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 262144
     request_timeout_s: float = 600.0
+    # open streaming (SSE) responses before new streaming requests get 429 (--max-concurrent-streams)
+    max_concurrent_streams: int = 1024
+    log_prompts: bool = False  # --log-prompts: prompt and output texts in the router's log
 
     def __post_init__(self) -> None:
+        if self.max_concurrent_streams < 1:
+            raise ConfigError("--max-concurrent-streams must be >= 1")
         if self.mode not in ("disaggregated", "unified"):
             raise ConfigError(f"--mode {self.mode!r} is not disaggregated|unified")
         if self.num_decode_workers < 1:

@@ -3,7 +3,8 @@
 Ranges follow the OpenAI API reference and vLLM's SamplingParams: temperature in [0, 2] (0 =
 greedy; OpenAI's documented range), top_p in (0, 1], top_k 0/-1 = off, min_p in [0, 1],
 presence/frequency penalties in [-2, 2], repetition_penalty > 0 (1 = off), top_logprobs in
-[0, 20], min_tokens <= max_tokens. Every float must be finite (JSON's bare ``NaN``/``Infinity``
+[0, 20], min_tokens <= max_tokens; at most 64 stop strings of at most 1024 characters and 1024
+stop token ids. Every float must be finite (JSON's bare ``NaN``/``Infinity``
 literals parse, so the edge must refuse them). Integer counts and token ids travel as protobuf
 ``int32`` (worker.proto), so they must fit in [0, 2^31); seeds travel as ``uint64`` and are kept in
 [0, 2^63). Token ids are checked against the vocabulary by the router, which knows it.
@@ -26,6 +27,12 @@ class SamplingError(ValueError):
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # largest value of a protobuf int32 field
 MAX_TEMPERATURE = 2.0  # OpenAI API reference: temperature is between 0 and 2
+# Hostile-input bounds (issue 12). The router matches stop strings against every output token's
+# text, so their number and length bound per-token work; OpenAI allows 4 stop strings, vLLM has no
+# cap, these leave room for any real use.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # checked by the router before it adds the model's EOS ids
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,11 @@ class SamplingParams:
                 "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            bad("stop", f"strings may be at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
         for t in self.stop_token_ids:
             if not 0 <= t <= MAX_INT32:
                 bad("stop_token_ids", f"must hold token ids in [0, {MAX_INT32}], got {t}")

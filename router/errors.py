@@ -145,3 +145,12 @@ class RequestNotFound(RouterError):
     type = "invalid_request_error"
     code = "request_not_found"
     grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class HeadersTooLarge(RouterError):
+    """431: the request line and headers together are over the gateway's size limit."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -105,7 +105,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
             if any(not s for s in request.stop):
                 raise BadRequest("'stop' strings must be non-empty", param="stop")
             prompt = await self._prompt(request)
-            stream = self.router.submit(rid, prompt, self._sampling(request))
+            field = request.WhichOneof("input") or "input"  # errors name the prompt's field
+            stream = self.router.submit(rid, prompt, self._sampling(request), prompt_param=field)
         except RouterError as e:
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)

@@ -305,6 +305,9 @@ class RequestLifecycle:
         abort_timeout = self.config.abort_timeout_s
         try:
             event = await read_event(attempt.call, timeout)
+        except asyncio.CancelledError:  # the request ended while D reserves: cancel and abort
+            attempt.close(abort=True, timeout_s=abort_timeout)
+            raise
         except grpc.aio.AioRpcError as e:
             attempt.close(abort=False, timeout_s=abort_timeout)
             self._refused(worker, e.code(), e.details() or "")

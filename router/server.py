@@ -21,6 +21,8 @@ import uvicorn
 from pdserve.config import ServeConfig
 from router.grpc_gateway import GrpcGateway
 from router.http import ClusterControl, build_app
+from router.http.header_limit import MAX_HEADER_BYTES
+from router.http.stream_limit import DEFAULT_MAX_CONCURRENT_STREAMS
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class FrontendConfig:
     api_key: str | None = None
     log_level: str = "warning"
     enable_fault_injection: bool = False  # mounts /admin/faults over the cluster controller
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS  # open SSE responses
+    max_header_bytes: int = MAX_HEADER_BYTES  # request target + headers (431; h11: 400)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -77,6 +81,8 @@ class Frontend:
             api_key=config.api_key,
             control=control,
             fault_control=faults,  # type: ignore[arg-type]
+            max_concurrent_streams=config.max_concurrent_streams,
+            max_header_bytes=config.max_header_bytes,
         )
         self.grpc = GrpcGateway(
             router, host=config.host, port=config.grpc_port, api_key=config.api_key
@@ -100,6 +106,9 @@ class Frontend:
             log_level=self.config.log_level,
             access_log=False,
             lifespan="off",
+            # h11, not "auto": httptools (picked when installed) does not bound a head's buffer
+            http="h11",
+            h11_max_incomplete_event_size=self.config.max_header_bytes,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=3,
         )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pdserve import metrics, rpc
 from pdserve.config import ServeConfig
-from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingError, SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from pdserve.types import SampledToken
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
@@ -37,6 +37,7 @@ from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
+from router.prompt_log import PromptLog
 from router.prompts import PromptPreparer
 from router.readiness import check_ready
 from router.request_id import current_request_id
@@ -55,6 +56,7 @@ class RouterConfig:
     ``max_model_len``: prompt + output limit. ``max_n``: sequences per prompt (``n``).
     ``max_sequences``: sequences per request over all its prompts (prompts x ``n``).
     ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
+    ``log_prompts``: log prompt and output texts (``--log-prompts``; router/prompt_log.py).
     """
 
     model_name: str
@@ -65,6 +67,7 @@ class RouterConfig:
     request_timeout_s: float = ServeConfig.request_timeout_s
     max_n: int = 16
     max_sequences: int = 64
+    log_prompts: bool = False
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
 
     def __post_init__(self) -> None:
@@ -278,6 +281,7 @@ class RequestStream:
                 tail = ""
             await gen.aclose()  # a stop string hit: abort the workers
             self._observe(lc, reason)
+            self.router.prompt_log.output(lc.request_id, lc.output, reason)
             tokens = last_tokens + ((held,) if held is not None else ())
             self._queue.put_nowait(
                 ChoiceDelta(index, last_text + tail, tokens, reason, stop_reason)
@@ -346,6 +350,7 @@ class Router:
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
         self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
+        self.prompt_log = PromptLog(tokenizer, config.log_prompts)  # off: no user text in logs
         self.stats = ServingStats()  # the operators' view (/v1/cluster/status)
         self.requests = RequestLog()  # per-request records (/v1/requests/{id})
 
@@ -375,6 +380,12 @@ class Router:
         ids = list(prompt_token_ids)
         check_ready(self.pool)  # 503 + Retry-After while no decode worker is up
         self.check_token_ids(ids, prompt_param)
+        if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # the client's, before EOS ids
+            raise BadRequest(
+                f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(sampling.stop_token_ids)}",
+                param="stop_token_ids",
+            )
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
@@ -398,6 +409,7 @@ class Router:
             self.stats.request_rejected()
             self.requests.reject(current_request_id() or request_id, request_id, len(ids), str(e))
             raise
+        self.prompt_log.prompt(request_id, ids)
         return RequestStream(self, request_id, ids, sampling, ticket, arrival)
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:

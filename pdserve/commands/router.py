@@ -72,13 +72,23 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
             request_timeout_s=args.request_timeout,
+            log_prompts=args.log_prompts,
             lifecycle=LifecycleConfig(block_size=block_size, unified=args.mode == "unified"),
         ),
         tokenizer,
         pool,
     )
     api_key = args.api_key or env.api_key()
-    frontend = Frontend(router, FrontendConfig(args.host, args.port, args.grpc_port, api_key))
+    frontend = Frontend(
+        router,
+        FrontendConfig(
+            args.host,
+            args.port,
+            args.grpc_port,
+            api_key,
+            max_concurrent_streams=args.max_concurrent_streams,
+        ),
+    )
     await frontend.start()
     pool.start()
     urls = frontend.urls()

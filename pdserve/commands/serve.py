@@ -173,6 +173,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         request_timeout_s=args.request_timeout,
+        max_concurrent_streams=args.max_concurrent_streams,
+        log_prompts=args.log_prompts,
     )
     name = args.served_model_name or resolve_model(args.model).name
     return ServePlan(
@@ -280,6 +282,7 @@ async def serve_async(
             max_queued_requests=s.max_queued_requests,
             max_queued_tokens=s.max_queued_tokens,
             request_timeout_s=s.request_timeout_s,
+            log_prompts=s.log_prompts,
             lifecycle=LifecycleConfig(
                 block_size=s.engine.cache.block_size, unified=s.mode == "unified"
             ),
@@ -296,6 +299,7 @@ async def serve_async(
             s.api_key,
             log_level="warning",
             enable_fault_injection=s.engine.enable_fault_injection,
+            max_concurrent_streams=s.max_concurrent_streams,
         ),
         control=cluster,
     )

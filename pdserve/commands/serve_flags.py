@@ -64,6 +64,17 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         help="prompt tokens waiting for their first token before new requests get HTTP 429",
     )
     g.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=ServeConfig.max_concurrent_streams,
+        help="open streaming (SSE) responses before new streaming requests get HTTP 429",
+    )
+    g.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="log prompt and output texts (user data: off by default, never logged otherwise)",
+    )
+    g.add_argument(
         "--request-timeout",
         type=float,
         default=ServeConfig.request_timeout_s,

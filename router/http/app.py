@@ -25,6 +25,13 @@ from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.errors import install_error_handlers
 from router.http.fault_admin import FaultControl, fault_routes
 from router.http.handlers import OpenAIGateway
+from router.http.header_limit import MAX_HEADER_BYTES, HeaderSizeLimit
+from router.http.openapi import install_openapi
+from router.http.stream_limit import (
+    DEFAULT_MAX_CONCURRENT_STREAMS,
+    StreamLimiter,
+    StreamSlotRelease,
+)
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.readiness import check_ready, is_ready
 from router.request_id import RequestIdMiddleware
@@ -40,16 +47,24 @@ def build_app(
     control: ClusterControl | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     fault_control: FaultControl | None = None,
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> FastAPI:
     """The FastAPI application serving ``router``.
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on /v1 and /admin routes.
     ``control``: enables /admin/workers and /admin/scale. ``max_body_bytes``: larger request
     bodies get 413 (bytes). ``fault_control``: mounts ``POST /admin/faults``
-    (``--enable-fault-injection``; router/http/fault_admin.py).
+    (``--enable-fault-injection``; router/http/fault_admin.py). ``max_concurrent_streams``: open
+    SSE responses before a new streaming request gets 429 (router/http/stream_limit.py).
+    ``max_header_bytes``: larger request heads (target + headers) get 431.
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
+    streams = StreamLimiter(max_concurrent_streams)
+    app.state.streams = streams
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(StreamSlotRelease, limiter=streams)
+    app.add_middleware(HeaderSizeLimit, max_bytes=max_header_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
     gateway = OpenAIGateway(router)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -68,10 +83,14 @@ def build_app(
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if body.stream:
+            streams.reserve(request)
         return await gateway.chat(body, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if body.stream:
+            streams.reserve(request)
         return await gateway.completions(body, request)
 
     @v1.get("/models")
@@ -119,4 +138,5 @@ def build_app(
     if fault_control is not None:
         app.include_router(fault_routes(fault_control, [Depends(require_key)]))
     install_error_handlers(app)
+    install_openapi(app)  # documents the error responses above (router/http/openapi.py)
     return app

@@ -9,10 +9,29 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve import metrics
-from router.errors import PayloadTooLarge
+from router.errors import PayloadTooLarge, RouterError
 from router.http.responses import dumps
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 32 MiB: far above any prompt max_model_len admits
+
+
+async def send_error(send: Any, err: RouterError) -> None:
+    """Answer with ``err``'s status and OpenAI error body from ASGI middleware (before the app
+    runs), closing the connection: the rest of the request is not read."""
+    metrics.REQUEST_ERRORS.labels(code=str(err.status)).inc()
+    payload = dumps(err.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
 
 
 class BodySizeLimit:
@@ -33,20 +52,7 @@ class BodySizeLimit:
         err = PayloadTooLarge(
             f"the request body exceeds the server's limit of {self.max_bytes} bytes"
         )
-        metrics.REQUEST_ERRORS.labels(code="413").inc()
-        payload = dumps(err.body()).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await send_error(send, err)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):

@@ -1,0 +1,242 @@
+"""A table of malformed and edge-case requests on /v1/chat/completions, /v1/completions and the
+gRPC Generate API (issue 12).
+
+Each row gets its exact HTTP status (or gRPC code) and an error naming the field at fault; none is
+a 5xx; afterwards every worker is alive, nothing is queued or held, and a normal request on every
+API is served.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from fake_workers import VOCAB
+from test_http_gateway import MSGS, env
+
+from pdserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2 as cpb
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from router.background import drain_background
+from router.grpc_gateway import GrpcGateway
+from router.http import build_app
+
+pytestmark = pytest.mark.timeout(120)
+
+CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+MAX_BODY = 64 * 1024  # the test app's body limit, bytes
+MANY_STOPS = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+LONG_STOP = "x" * (MAX_STOP_STRING_CHARS + 1)
+
+
+@dataclass(frozen=True)
+class Http:
+    """One HTTP row: ``body`` is JSON (or raw bytes when ``raw``); ``param`` the expected field
+    (None: the error has no field, e.g. a body that is not JSON); ``says`` must be in the message."""
+
+    name: str
+    path: str
+    body: Any
+    status: int
+    param: str | None
+    says: str = ""
+    raw: bool = False
+    method: str = "POST"
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"messages": MSGS, "max_tokens": 4, **kw}
+
+
+def cmpl(**kw: Any) -> dict[str, Any]:
+    return {"prompt": "hello", "max_tokens": 4, **kw}
+
+
+HTTP_ROWS = [
+    Http("chat no messages", CHAT, {"max_tokens": 4}, 400, "messages", "required"),
+    Http("chat empty messages", CHAT, {"messages": []}, 400, "messages"),
+    Http("chat messages a string", CHAT, {"messages": "hi"}, 400, "messages"),
+    Http("chat bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+         "messages.0.role"),
+    Http("chat content a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
+         "messages.0.content"),
+    Http("chat image part", CHAT,
+         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages.0.content.0.type", "only 'text'"),
+    Http("chat lone surrogate", CHAT, b'{"messages": [{"role": "user", "content": "a\\udc80"}]}',
+         400, "messages", "surrogate", raw=True),
+    Http("chat n 0", CHAT, chat(n=0), 400, "n", ">= 1"),
+    Http("chat n over max_n", CHAT, chat(n=17), 400, "n", "16"),
+    Http("chat n a string", CHAT, chat(n="2"), 400, "n"),
+    Http("chat max_tokens 0", CHAT, chat(max_tokens=0), 400, "max_tokens", ">= 1"),
+    Http("chat max_tokens over context", CHAT, chat(max_tokens=10**6), 400, "max_tokens", "512"),
+    Http("chat max_completion_tokens -1", CHAT, chat(max_completion_tokens=-1), 400,
+         "max_completion_tokens"),
+    Http("chat temperature -1", CHAT, chat(temperature=-1), 400, "temperature", "[0, 2]"),
+    Http("chat top_p 0", CHAT, chat(top_p=0), 400, "top_p", "(0, 1]"),
+    Http("chat presence_penalty 3", CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
+    Http("chat top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400,
+         "top_logprobs", "20"),
+    Http("chat top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    Http("chat logprobs a string", CHAT, chat(logprobs="yes"), 400, "logprobs"),
+    Http("chat too many stops", CHAT, chat(stop=MANY_STOPS), 400, "stop", str(MAX_STOP_STRINGS)),
+    Http("chat empty stop", CHAT, chat(stop=[""]), 400, "stop", "non-empty"),
+    Http("chat stop too long", CHAT, chat(stop=LONG_STOP), 400, "stop", "1024"),
+    Http("chat negative stop id", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    Http("chat seed -1", CHAT, chat(seed=-1), 400, "seed"),
+    Http("chat unknown model", CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
+    Http("chat stream_options without stream", CHAT,
+         chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    Http("chat logit_bias", CHAT, chat(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    Http("chat streaming bad temperature", CHAT, chat(stream=True, temperature=9), 400,
+         "temperature"),
+    Http("chat body not JSON", CHAT, b"{not json", 400, None, "not valid JSON", raw=True),
+    Http("chat body a JSON array", CHAT, b"[1, 2]", 400, None, "JSON object", raw=True),
+    Http("chat body over the limit", CHAT, chat(pad="x" * MAX_BODY), 413, None, str(MAX_BODY)),
+    Http("chat GET", CHAT, None, 405, None, method="GET"),
+    Http("cmpl no prompt", CMPL, {"max_tokens": 4}, 400, "prompt", "required"),
+    Http("cmpl empty prompt list", CMPL, cmpl(prompt=[]), 400, "prompt", "empty"),
+    Http("cmpl empty token list", CMPL, cmpl(prompt=[[]]), 400, "prompt"),
+    Http("cmpl empty string", CMPL, cmpl(prompt=""), 400, "prompt", "empty"),
+    Http("cmpl token id past vocab", CMPL, cmpl(prompt=[1, VOCAB]), 400, "prompt", str(VOCAB)),
+    Http("cmpl negative token id", CMPL, cmpl(prompt=[-5]), 400, "prompt"),
+    Http("cmpl prompt a dict", CMPL, cmpl(prompt={"a": 1}), 400, "prompt"),
+    Http("cmpl prompt over context", CMPL, cmpl(prompt=[5] * 600), 400, "prompt", "512"),
+    Http("cmpl logprobs 21", CMPL, cmpl(logprobs=21), 400, "logprobs", "20"),
+    Http("cmpl suffix", CMPL, cmpl(suffix="x"), 400, "suffix"),
+    Http("cmpl best_of other than n", CMPL, cmpl(best_of=3), 400, "best_of"),
+    Http("cmpl too many sequences", CMPL, cmpl(prompt=["a"] * 65), 400, "prompt", "64"),
+    Http("cmpl max_tokens a string", CMPL, cmpl(max_tokens="10"), 400, "max_tokens"),
+    Http("cmpl min_tokens over max_tokens", CMPL, cmpl(min_tokens=9), 400, "min_tokens"),
+    Http("cmpl top_k past int32", CMPL, cmpl(top_k=2**40), 400, "top_k", str(2**31 - 1)),
+    Http("cmpl too many stops", CMPL, cmpl(stop=MANY_STOPS), 400, "stop", str(MAX_STOP_STRINGS)),
+    Http("cmpl too many stop ids", CMPL, cmpl(stop_token_ids=[5] * 1025), 400, "stop_token_ids",
+         "1024"),
+    Http("cmpl stop id past vocab", CMPL, cmpl(stop_token_ids=[VOCAB]), 400, "stop_token_ids"),
+    Http("cmpl streaming bad n", CMPL, cmpl(stream=True, n=0), 400, "n"),
+]  # fmt: skip
+
+
+def sampling(**kw: Any) -> cpb.SamplingParams:
+    return cpb.SamplingParams(**{"max_tokens": 4, **kw})
+
+
+@dataclass(frozen=True)
+class Grpc:
+    """One gRPC row: the status ``code`` and text naming the field (``says``)."""
+
+    name: str
+    request: gpb.GenerateRequest
+    code: grpc.StatusCode
+    says: str
+
+
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+GRPC_ROWS = [
+    Grpc("no input", gpb.GenerateRequest(sampling=sampling()), BAD, "'text', 'chat' or"),
+    Grpc("unknown model", gpb.GenerateRequest(model="gpt-4", text="hi"),
+         grpc.StatusCode.NOT_FOUND, "gpt-4"),
+    Grpc("token id past vocab", gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, VOCAB])), BAD,
+         "'token_ids' holds token id"),
+    Grpc("empty token ids", gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[])), BAD, "empty"),
+    Grpc("empty text", gpb.GenerateRequest(text=""), BAD, "empty"),
+    Grpc("empty stop", gpb.GenerateRequest(text="hi", stop=[""]), BAD, "'stop'"),
+    Grpc("too many stops", gpb.GenerateRequest(text="hi", stop=MANY_STOPS), BAD, "'stop'"),
+    Grpc("stop too long", gpb.GenerateRequest(text="hi", stop=[LONG_STOP]), BAD, "'stop'"),
+    Grpc("temperature 3", gpb.GenerateRequest(text="hi", sampling=sampling(temperature=3)), BAD,
+         "'temperature'"),
+    Grpc("top_logprobs 21",
+         gpb.GenerateRequest(text="hi", sampling=sampling(logprobs=True, top_logprobs=21)), BAD,
+         "'top_logprobs'"),
+    Grpc("max_tokens over context",
+         gpb.GenerateRequest(text="hi", sampling=sampling(max_tokens=10**6)), BAD, "max_tokens"),
+    Grpc("negative max_tokens",
+         gpb.GenerateRequest(text="hi", sampling=sampling(max_tokens=-3)), BAD, "'max_tokens'"),
+    Grpc("bad chat role",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="wizard")])),
+         BAD, "chat.messages[0].role"),
+    Grpc("stop id past vocab",
+         gpb.GenerateRequest(text="hi", sampling=sampling(stop_token_ids=[VOCAB])), BAD,
+         "'stop_token_ids'"),
+]  # fmt: skip
+
+
+async def test_malformed_request_table(tokenizer: Tokenizer) -> None:
+    assert len(HTTP_ROWS) + len(GRPC_ROWS) >= 30
+    async with env(tokenizer) as e:
+        app = build_app(e.router, max_body_bytes=MAX_BODY)
+        transport = httpx.ASGITransport(app=app)
+        gw = GrpcGateway(e.router, host="127.0.0.1", port=0)
+        await gw.start()
+        failures: list[str] = []
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                for row in HTTP_ROWS:
+                    if row.method == "GET":
+                        r = await client.get(row.path)
+                    elif row.raw:
+                        r = await client.post(
+                            row.path, content=row.body, headers={"content-type": "application/json"}
+                        )
+                    else:
+                        r = await client.post(row.path, json=row.body)
+                    failures += _check_http(row, r)
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+                    stub = gpb_grpc.GenerationStub(ch)
+                    for g in GRPC_ROWS:
+                        failures += await _check_grpc(stub, g)
+                    assert not failures, "\n".join(failures)
+                    # nothing leaked, every worker alive, and normal service on every API
+                    await drain_background()
+                    assert e.router.admission.num_queued == 0
+                    assert all(not d.held for d in e.cluster.decodes)
+                    assert all(w.healthy for w in e.router.pool)
+                    r = await client.post(CHAT, json=chat())
+                    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+                    r = await client.post(CMPL, json=cmpl())
+                    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+                    out = [m async for m in stub.Generate(gpb.GenerateRequest(text="hi"))]
+                    assert out[-1].complete.finish_reason in ("stop", "length")
+        finally:
+            await gw.stop(0.1)
+
+
+def _check_http(row: Http, r: httpx.Response) -> list[str]:
+    if r.status_code >= 500:
+        return [f"{row.name}: 5xx {r.status_code} {r.text[:200]}"]
+    if r.status_code != row.status:
+        return [f"{row.name}: status {r.status_code} != {row.status}: {r.text[:200]}"]
+    if row.status == 405:
+        return []
+    try:
+        err = r.json()["error"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return [f"{row.name}: not an OpenAI error body: {r.text[:200]}"]
+    problems = []
+    if set(err) != {"message", "type", "param", "code"}:
+        problems.append(f"{row.name}: error keys {sorted(err)}")
+    if err["param"] != row.param:
+        problems.append(f"{row.name}: param {err['param']!r} != {row.param!r}")
+    if row.param and row.param.split(".")[0] not in err["message"]:
+        problems.append(f"{row.name}: message does not name {row.param}: {err['message']}")
+    if row.says not in err["message"]:
+        problems.append(f"{row.name}: message lacks {row.says!r}: {err['message']}")
+    return problems
+
+
+async def _check_grpc(stub: gpb_grpc.GenerationStub, row: Grpc) -> list[str]:
+    try:
+        out = [m async for m in stub.Generate(row.request)]
+    except grpc.aio.AioRpcError as err:
+        if err.code() != row.code:
+            return [f"gRPC {row.name}: {err.code().name} != {row.code.name}: {err.details()}"]
+        if row.says not in (err.details() or ""):
+            return [f"gRPC {row.name}: details lack {row.says!r}: {err.details()}"]
+        return []
+    return [f"gRPC {row.name}: no error, got {out[-1] if out else 'nothing'}"]
