@@ -16,3 +16,15 @@ class SampledToken:
     token_id: int
     logprob: float = 0.0
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens (vLLM's ``prompt_logprobs``).
+
+    ``tokens[j]`` is prompt token ``start + j`` with its log-probability given the tokens before
+    it and its ``top_logprobs`` alternatives. Prompt token 0 has no logprob, so ``start >= 1``.
+    """
+
+    start: int
+    tokens: tuple[SampledToken, ...]

@@ -8,8 +8,12 @@ into the paged pool by slot mapping, and samples where asked.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
 
 
 @dataclass
@@ -22,7 +26,9 @@ class ScheduledSeq:
     ``block_table``: physical block ids covering at least ``num_computed + len(token_ids)`` tokens.
     ``sample``: sample a token after the last one (False for a non-final prefill chunk).
     ``output_token_ids``: tokens generated so far (for penalties and the seeded generator's
-    position); ``prompt_token_ids``: the prompt (for repetition penalty).
+    position); ``prompt_token_ids``: the prompt (for repetition penalty and prompt logprobs).
+    ``grammar``: the sequence's structured-output state when ``sampling.structured`` is set; the
+    Sampler masks by it and advances it over the token it samples.
     """
 
     request_id: str
@@ -33,6 +39,7 @@ class ScheduledSeq:
     sampling: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens_after(self) -> int:
