@@ -51,6 +51,8 @@ from decode_worker.scheduler import DecodeScheduler, StepPlan
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
+from pdserve.structured.grammar import GrammarMatcher, resume_matcher
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
@@ -213,6 +215,7 @@ class DecodeEngine:
         UNAVAILABLE (stopping, or no receiver for a remote request), FAILED_PRECONDITION (local
         prefill not allowed here).
         """
+        grammar = self._grammar(req)  # outside the lock: a first compile may take a while
         with self._lock:
             if self._stopping:
                 raise RequestRefused(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
@@ -232,7 +235,7 @@ class DecodeEngine:
             except SamplingError as e:
                 raise RequestRefused(INVALID_ARGUMENT, str(e)) from e
             transfer_id = 0 if req.prefill_locally else next(self._transfer_ids)
-            table = self.scheduler.add_request(req, transfer_id)
+            table = self.scheduler.add_request(req, transfer_id, grammar)
             self._sinks[req.request_id] = sink
             if not req.prefill_locally:
                 assert self.receiver is not None
@@ -257,6 +260,19 @@ class DecodeEngine:
             decode_worker_id=self.worker_id,
             num_reserved_blocks=len(table),
         )
+
+    def _grammar(self, req: DecodeRequest) -> GrammarMatcher | None:
+        """The request's structured-output state, advanced over the earlier output at the end of
+        its prompt (a resumed request). Raises RequestRefused INVALID_ARGUMENT when the spec
+        does not compile or that output leaves the grammar."""
+        mc = self.runner.model_config
+        try:
+            return resume_matcher(
+                self.config.load.model, mc.vocab_size, mc.eos_token_ids,
+                req.sampling.structured, req.prompt_token_ids, req.num_output_tokens,
+            )  # fmt: skip
+        except StructuredOutputError as e:
+            raise RequestRefused(INVALID_ARGUMENT, str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Drop ``request_id`` (CANCELLED event), free its blocks, forget its KV transfer.
@@ -336,7 +352,7 @@ class DecodeEngine:
                 return 0
         t0 = time.perf_counter()
         try:
-            sampled = self.runner.execute(plan.seqs)
+            out = self.runner.run(plan.seqs)
         except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
             log.exception("forward failed for %d sequences", len(plan.seqs))
             with self._lock:
@@ -346,7 +362,7 @@ class DecodeEngine:
         t1 = time.perf_counter()
         with self._lock:
             try:
-                self.scheduler.update(plan, sampled)
+                self.scheduler.update(plan, out.tokens, out.prompt_logprobs)
             except ValueError as e:
                 self.scheduler.fail_step(plan, str(e))
             self._flush()

@@ -43,8 +43,9 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from decode_worker.request import (
     CANCELLED,
@@ -63,7 +64,11 @@ from decode_worker.request import (
 from pdserve.config import SchedulerConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.manager import KVCacheManager
-from pdserve.types import SampledToken
+from pdserve.structured.spec import StructuredOutputError
+from pdserve.types import PromptLogprobs, SampledToken
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
 
 
 class SeqState(enum.Enum):
@@ -81,7 +86,9 @@ class DecodeSeq:
 
     ``token_ids``: prompt (earlier outputs included) then the tokens generated here.
     ``output_token_ids``: every output token (earlier attempts first). ``num_computed``: tokens
-    whose KV is in the pool. ``key``: the KV-table key, unique per attempt.
+    whose KV is in the pool. ``key``: the KV-table key, unique per attempt. ``grammar``: the
+    structured-output state, advanced over every output token (received or sampled here).
+    ``prompt_logprobs``: gathered chunk by chunk during a local prefill that asked for them.
     """
 
     request: DecodeRequest
@@ -93,6 +100,8 @@ class DecodeSeq:
     num_computed: int = 0
     state: SeqState = SeqState.WAITING_FOR_KV
     kv_deadline: float | None = None
+    grammar: GrammarMatcher | None = None
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -251,11 +260,14 @@ class DecodeScheduler:
         if req.kv_timeout_s is not None and req.kv_timeout_s <= 0:
             bad(f"kv_timeout_s must be > 0, got {req.kv_timeout_s}")
 
-    def add_request(self, req: DecodeRequest, transfer_id: int = 0) -> list[int]:
+    def add_request(
+        self, req: DecodeRequest, transfer_id: int = 0, grammar: GrammarMatcher | None = None
+    ) -> list[int]:
         """Reserve blocks for ``req``'s prompt and queue it. Returns the reserved block table.
 
         Remote requests (``prefill_locally`` False) wait for :meth:`kv_arrived` under
-        ``transfer_id``. Raises RequestRefused: INVALID_ARGUMENT (see :meth:`validate`),
+        ``transfer_id``. ``grammar``: the request's structured-output state, already advanced
+        over the earlier output in its prompt. Raises RequestRefused: INVALID_ARGUMENT (see :meth:`validate`),
         ALREADY_EXISTS (the request id is live here), RESOURCE_EXHAUSTED (not enough free blocks).
         """
         self.validate(req)
@@ -271,10 +283,12 @@ class DecodeScheduler:
             token_ids=prompt,
             output_token_ids=prompt[n - n_prev :] if n_prev else [],
             original_prompt=prompt[: n - n_prev],
+            grammar=grammar,
         )
         computed: list[int] = []
         num_cached = 0
-        if req.prefill_locally:
+        # NOTE: prompt logprobs need every prompt token computed, so such a request skips the cache
+        if req.prefill_locally and req.sampling.prompt_logprobs is None:
             computed, num_cached = self.kv.get_computed_blocks(prompt)
         need = self.kv.num_blocks_needed(n) - len(computed)
         free = self.kv.num_free_blocks
@@ -314,6 +328,12 @@ class DecodeScheduler:
         if not 0 <= first_token.token_id < self.vocab_size:
             self._fail(seq, INTERNAL, f"token 1 id {first_token.token_id} is outside the vocab")
             return False
+        if seq.grammar is not None:  # token 1 was sampled under the grammar on the prefill worker
+            try:
+                seq.grammar.advance([first_token.token_id])
+            except StructuredOutputError as e:
+                self._fail(seq, INTERNAL, f"token 1 from the prefill worker: {e}")
+                return False
         seq.num_computed = seq.num_prompt_tokens
         seq.kv_deadline = None
         self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
@@ -424,10 +444,17 @@ class DecodeScheduler:
         self._in_step = {s.key for s in plan.members}
         return plan
 
-    def update(self, plan: StepPlan, sampled: Sequence[SampledToken | None]) -> None:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Sequence[SampledToken | None],
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None = None,
+    ) -> None:
         """Apply a computed step: advance KV, append sampled tokens, stop, free deferred blocks.
 
         ``sampled[i]`` belongs to ``plan.seqs[i]`` (None where nothing was sampled).
+        ``prompt_logprobs``: request id -> logprobs of prompt tokens this step's chunk predicted
+        (local prefill); sent with the request's first TokensEvent.
         Raises ValueError when the lengths differ or a sampled entry is missing.
         """
         if len(sampled) != len(plan.seqs):
@@ -438,6 +465,8 @@ class DecodeScheduler:
                 continue  # aborted or expired mid-step; freed below
             seq.num_computed += len(sched.token_ids)
             self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
+            if prompt_logprobs and seq.request_id in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
             if not sched.sample:
                 continue
             if tok is None:
@@ -445,7 +474,8 @@ class DecodeScheduler:
                 continue
             reason = self._append_token(seq, tok.token_id)
             self.num_generated_tokens += 1
-            self._events.append((seq.request_id, TokensEvent((tok,))))
+            prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
+            self._events.append((seq.request_id, TokensEvent((tok,), prompt_lps)))
             if reason is not None:
                 self._finish(seq, reason)
         self._end_step()
@@ -493,6 +523,7 @@ class DecodeScheduler:
             sampling=seq.request.sampling,
             prompt_token_ids=seq.original_prompt,
             output_token_ids=seq.output_token_ids,
+            grammar=seq.grammar,
         )
 
     def _append_token(self, seq: DecodeSeq, token_id: int) -> str | None:

@@ -33,6 +33,8 @@ from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
+from pdserve.structured.grammar import GrammarMatcher, resume_matcher
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 from prefill_worker.request import (
     ALREADY_EXISTS,
@@ -82,6 +84,7 @@ class _Pending:
     future: Future[PrefillResult]
     token: SampledToken | None = None
     sampled_at: float = 0.0  # time.monotonic() seconds
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
     send_started: float = 0.0
 
 
@@ -165,6 +168,7 @@ class PrefillEngine:
         if self._closed:
             raise PrefillError(UNAVAILABLE, "prefill worker is shutting down")
         self._validate(request)
+        grammar = self._grammar(request)
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
@@ -172,7 +176,7 @@ class PrefillEngine:
                 raise PrefillError(
                     ALREADY_EXISTS, f"request {request.request_id!r} is already being prefilled"
                 )
-            seq = PrefillSeq(request)
+            seq = PrefillSeq(request, grammar=grammar)
             self.scheduler.add(seq)
             self._pending[request.request_id] = _Pending(seq, fut)
         self._wake.set()
@@ -223,6 +227,19 @@ class PrefillEngine:
         if request.deadline is not None and request.deadline <= time.time():
             raise PrefillError(DEADLINE_EXCEEDED, "request deadline already passed")
 
+    def _grammar(self, request: PrefillRequest) -> GrammarMatcher | None:
+        """The structured-output state token 1 is sampled under: compiled (cached per spec) and
+        advanced over the earlier output of a re-prefill. Raises PrefillError INVALID_ARGUMENT
+        when the spec does not compile or the earlier output leaves the grammar."""
+        mc = self.runner.model_config
+        try:
+            return resume_matcher(
+                self.config.load.model, mc.vocab_size, mc.eos_token_ids,
+                request.sampling.structured, request.prompt_token_ids, request.num_output_tokens,
+            )  # fmt: skip
+        except StructuredOutputError as e:
+            raise PrefillError(INVALID_ARGUMENT, str(e)) from None
+
     def abort(self, request_id: str) -> bool:
         """Drop a request at any stage, freeing everything it holds; its future fails with
         CANCELLED. Idempotent: returns whether the request was live."""
@@ -253,7 +270,7 @@ class PrefillEngine:
         if not chunks:
             return 0
         try:
-            tokens = self.runner.execute([c.batch for c in chunks])
+            out = self.runner.run([c.batch for c in chunks])
         except Exception as e:  # the worker keeps serving the others
             logger.exception("prefill forward failed")
             for c in chunks:
@@ -263,8 +280,13 @@ class PrefillEngine:
         num = sum(len(c.batch.token_ids) for c in chunks)
         with self._lock:
             self._counters.steps.append((now, num))
+            for rid, lps in out.prompt_logprobs.items():
+                if rid in self._pending:
+                    self._pending[rid].prompt_logprobs.extend(lps.tokens)
             sampled = {
-                c.seq.request_id: t for c, t in zip(chunks, tokens, strict=True) if t is not None
+                c.seq.request_id: t
+                for c, t in zip(chunks, out.tokens, strict=True)
+                if t is not None
             }
             for seq in self.scheduler.on_computed(chunks):
                 self._hand_off(seq, sampled[seq.request_id], now)
@@ -337,6 +359,7 @@ class PrefillEngine:
             compute_ms=(p.sampled_at - seq.first_scheduled) * 1e3,
             transfer_ms=(end - p.send_started) * 1e3 if record is not None else 0.0,
             transfer=record,
+            prompt_logprobs=tuple(p.prompt_logprobs),
         )
         del self._pending[seq.request_id]
         self.scheduler.finish(seq.request_id)

@@ -35,18 +35,23 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.manager import KVCacheManager
 from prefill_worker.request import PrefillRequest, PrefillState
 
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
+
 
 @dataclass(eq=False)
 class PrefillSeq:
     """A request's progress. ``num_computed``: tokens whose KV is in the pool (cache hits
     included). ``num_cached``: tokens served from the prefix cache at admission. Times are
-    ``time.monotonic()`` seconds."""
+    ``time.monotonic()`` seconds. ``grammar``: the structured-output state token 1 is sampled
+    under (advanced over earlier output on a re-prefill)."""
 
     request: PrefillRequest
     arrival: float = field(default_factory=time.monotonic)
@@ -54,6 +59,7 @@ class PrefillSeq:
     num_computed: int = 0
     num_cached: int = 0
     first_scheduled: float | None = None
+    grammar: GrammarMatcher | None = None
 
     @property
     def request_id(self) -> str:
@@ -231,7 +237,13 @@ class PrefillScheduler:
         return out
 
     def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
-        """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted."""
+        """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted.
+
+        NOTE: a request asking for prompt logprobs skips the cache (every prompt token must be
+        computed to get its logprob); its blocks are still cached for later requests.
+        """
+        if seq.request.sampling.prompt_logprobs is not None:
+            return [], 0
         return self.kv.get_computed_blocks(seq.request.prompt_token_ids, record_stats=False)
 
     def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:
@@ -261,6 +273,7 @@ class PrefillScheduler:
             sampling=req.sampling,
             prompt_token_ids=list(tokens[: len(tokens) - k]),
             output_token_ids=list(tokens[len(tokens) - k :]) if k else [],
+            grammar=seq.grammar,
         )
 
     def on_computed(self, chunks: list[ScheduledChunk]) -> list[PrefillSeq]:

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP gateway (FastAPI): chat and text completions, models, health, metrics.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``POST /tokenize`` and ``POST /detokenize`` (router/utility_routes.py),
 ``GET /health`` (200 when a decode worker is up, else 503), ``GET /metrics`` (Prometheus text),
 and, when a cluster controller is attached, ``GET /admin/workers`` and ``POST /admin/scale``.
 With an API key, every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401
@@ -24,6 +25,7 @@ Semantics follow the OpenAI API reference:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -45,6 +47,7 @@ from pdserve import metrics
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.tokenizer import TokenizerError
 from pdserve.types import SampledToken
+from router.chat_tools import ToolSetup, ToolStream, tool_setup
 from router.errors import (
     BadRequest,
     InsufficientResources,
@@ -53,7 +56,10 @@ from router.errors import (
     Unauthorized,
 )
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.prompt_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from router.serving import ChoiceDelta, RequestStream, Router
+from router.tool_parsers import select_parser
+from router.utility_routes import add_utility_routes, model_card
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +172,10 @@ class OpenAIGateway:
         # here takes milliseconds per prompt but seconds for a multi-MB one, which must not stall
         # the event loop (health checks, other streams).
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.chat_template = router.config.chat_template
+        self.tool_parser = select_parser(
+            router.config.tool_call_parser, self.chat_template or self.tokenizer.hf.chat_template
+        )
 
     async def _in_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
@@ -238,16 +248,30 @@ class OpenAIGateway:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        sampling = self._sampling(body.to_sampling_params)
+        tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
+        sampling = self._sampling(
+            functools.partial(body.to_sampling_params, tools.spec() if tools else None)
+        )
         conversation = body.conversation()
         for m in conversation:
-            check_text(m["content"], "messages")
+            check_text(m["content"] or "", "messages")
+        render = functools.partial(
+            self.tokenizer.apply_chat_template,
+            conversation,
+            body.add_generation_prompt,
+            tools=list(tools.tools) if tools else None,
+            chat_template=self.chat_template,
+            **body.template_controls(),
+        )
         try:
-            prompt = await self._in_tokenizer_thread(
-                self.tokenizer.apply_chat_template, conversation
-            )
+            prompt = await self._in_tokenizer_thread(render)
         except TokenizerError as e:
-            raise BadRequest(str(e), param="messages") from None
+            raise BadRequest(str(e), param=e.param or "messages") from None
+        if sampling.structured is not None:
+            await self._in_tokenizer_thread(self.router.check_structured, sampling.structured)
+        # vLLM's chat echo: the reply starts with the last message when it is the assistant's
+        last = conversation[-1]
+        echo = (last["content"] or "") if body.echo and last["role"] == "assistant" else ""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.router.submit(rid, prompt, sampling, prompt_param="messages")
         model = self.router.model_name
@@ -260,16 +284,17 @@ class OpenAIGateway:
         top = sampling.top_logprobs
 
         if body.stream:
+            splitters = [tools.streamer() if tools else None for _ in range(sampling.n)]
 
             def chunk(delta: ChoiceDelta | None, index: int, **extra: Any) -> str:
                 choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
                 if delta is None:
-                    choice["delta"] = {"role": "assistant", "content": ""}
+                    choice["delta"] = {"role": "assistant", "content": echo}
                 else:
-                    choice["delta"] = {"content": delta.text} if delta.text else {}
+                    choice["delta"] = _tool_delta(splitters[index], delta)
                     if delta.tokens and sampling.logprobs:
                         choice["logprobs"] = self.chat_logprobs(delta.tokens, top)
-                    choice["finish_reason"] = delta.finish_reason
+                    choice["finish_reason"] = _finish_reason(splitters[index], delta.finish_reason)
                     if delta.finish_reason is not None:
                         choice["stop_reason"] = delta.stop_reason
                 out = {**head, "system_fingerprint": None, "choices": [choice], **extra}
@@ -292,26 +317,30 @@ class OpenAIGateway:
             return Response(status_code=_CLIENT_CLOSED)
         data = []
         for i, c in enumerate(choices):
+            message, finish = _chat_message(tools, echo + c.text, c.finish_reason)
             data.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self.chat_logprobs(c.tokens, top) if sampling.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": stream.created,
-                "model": model,
-                "system_fingerprint": None,
-                "choices": data,
-                "usage": self._usage([stream]),
-            }
-        )
+        out = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": stream.created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": data,
+            "usage": self._usage([stream]),
+        }
+        if sampling.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                prompt, stream.prompt_logprobs or (), self.token_text
+            )
+        return JSONResponse(out)
 
     # -- text completions -----------------------------------------------------------------------
 
@@ -320,6 +349,8 @@ class OpenAIGateway:
         sampling = self._sampling(body.to_sampling_params)
         prompts = body.prompts()
         self.router.check_num_sequences(len(prompts), sampling.n)
+        if sampling.structured is not None:
+            await self._in_tokenizer_thread(self.router.check_structured, sampling.structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         encoded: list[tuple[list[int], str]] = []
         for p in prompts:
@@ -348,15 +379,34 @@ class OpenAIGateway:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         top = sampling.top_logprobs
         echo = [encoded[k][1] if body.echo else "" for k in range(len(encoded)) for _ in range(n)]
+        only = body.echo_only  # max_tokens 0: the one token workers sample is dropped
+        # with logprobs, the echo waits for the prompt logprobs (they come with token 1)
+        late_echo = body.echo and sampling.logprobs
+
+        def prompt_part(k: int) -> dict[str, list[Any]]:
+            ids = encoded[k][0]
+            return echo_logprobs(ids, streams[k].prompt_logprobs or (), top, self.token_text)
+
+        def usage() -> dict[str, Any]:
+            u = self._usage(streams)
+            if only:
+                u["total_tokens"] -= u["completion_tokens"]
+                u["completion_tokens"] = 0
+            return u
 
         if body.stream:
             extra = {"usage": None} if body.include_usage else {}
             sent = [0] * len(echo)  # characters streamed per choice (for text_offset)
+            echoed = [not e for e in echo]
 
-            def chunk(index: int, text: str, d: ChoiceDelta | None) -> str:
+            def chunk(index: int, text: str, d: ChoiceDelta | None, k: int = 0) -> str:
+                if d is not None and only:  # nothing generated: only the finish goes out
+                    text, d = "", dataclasses.replace(d, text="", tokens=())
                 lp = None
                 if d is not None and d.tokens and sampling.logprobs:
                     lp = self.completion_logprobs(d.tokens, top, sent[index])
+                elif d is None and late_echo:
+                    lp = prompt_part(k)
                 sent[index] += len(text)
                 choice = {
                     "index": index,
@@ -369,13 +419,20 @@ class OpenAIGateway:
                 return _sse({**head, "choices": [choice], **extra})
 
             async def events() -> AsyncIterator[str]:
-                for i, e in enumerate(echo):
-                    if e:
-                        yield chunk(i, e, None)
+                if not late_echo:
+                    for i, e in enumerate(echo):
+                        if e:
+                            echoed[i] = True
+                            yield chunk(i, e, None)
                 async for k, d in _merge(streams):
-                    yield chunk(offsets[k] + d.index, d.text, d)
+                    i = offsets[k] + d.index
+                    if not echoed[i]:
+                        echoed[i] = True
+                        yield chunk(i, echo[i], None, k)
+                    if not only or d.finish_reason is not None:
+                        yield chunk(i, d.text, d)
                 if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": self._usage(streams)})
+                    yield _sse({**head, "choices": [], "usage": usage()})
 
             return _event_stream(events(), streams)
 
@@ -384,19 +441,64 @@ class OpenAIGateway:
             return Response(status_code=_CLIENT_CLOSED)
         data = []
         for i, c in enumerate(choices):
+            k = i // n
+            if only:
+                c.text, c.tokens = "", []
             lp = None
             if sampling.logprobs:
                 lp = self.completion_logprobs(c.tokens, top, len(echo[i]))
-            data.append(
-                {
-                    "index": i,
-                    "text": echo[i] + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        return JSONResponse({**head, "choices": data, "usage": self._usage(streams)})
+                if body.echo:
+                    lp = join_logprobs(prompt_part(k), lp)
+            item = {
+                "index": i,
+                "text": echo[i] + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if sampling.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                item["prompt_logprobs"] = vllm_prompt_logprobs(
+                    encoded[k][0], streams[k].prompt_logprobs or (), self.token_text
+                )
+            data.append(item)
+        return JSONResponse({**head, "choices": data, "usage": usage()})
+
+
+def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, Any]:
+    """A streamed chat ``delta``: content, and tool calls once complete (``splitter`` set)."""
+    if splitter is None:
+        return {"content": delta.text} if delta.text else {}
+    content, calls = splitter.feed(delta.text)
+    if delta.finish_reason is not None:
+        more, late = splitter.finish()
+        content, calls = content + more, calls + late
+    out: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        first = splitter.num_calls - len(calls)
+        out["tool_calls"] = [c.to_openai(first + j) for j, c in enumerate(calls)]
+    return out
+
+
+def _finish_reason(splitter: ToolStream | None, reason: str | None) -> str | None:
+    """``tool_calls`` instead of ``stop`` when the choice made calls."""
+    if reason == "stop" and splitter is not None and splitter.num_calls:
+        return "tool_calls"
+    return reason
+
+
+def _chat_message(
+    tools: ToolSetup | None, text: str, finish: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """(the assistant ``message``, finish_reason) of a complete chat choice."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish
+    parsed = tools.split(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
 
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, ChoiceDelta]]:
@@ -609,6 +711,9 @@ def build_app(
             )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    add_utility_routes(
+        app, v1, router, gateway._in_tokenizer_thread, dependencies=[Depends(require_key)]
+    )
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -620,19 +725,7 @@ def build_app(
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": router.model_name,
-                    "object": "model",
-                    "created": int(_STARTED),
-                    "owned_by": "pdserve",
-                    "root": router.model_name,
-                    "max_model_len": router.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card(router)]}
 
     app.include_router(v1)
 

@@ -23,12 +23,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve import metrics, rpc
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.structured.grammar import GrammarCompiler
+from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from pdserve.types import SampledToken
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
@@ -49,6 +52,8 @@ class RouterConfig:
     ``max_model_len``: prompt + output limit. ``max_n``: sequences per prompt (``n``).
     ``max_sequences``: sequences per request over all its prompts (prompts x ``n``).
     ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
+    ``chat_template``: a Jinja chat template used instead of the model's (``--chat-template``).
+    ``tool_call_parser``: 'hermes' | 'json' | None (chosen from the chat template).
     """
 
     model_name: str
@@ -59,6 +64,8 @@ class RouterConfig:
     max_n: int = 16
     max_sequences: int = 64
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -129,6 +136,15 @@ class RequestStream:
     @property
     def cached_tokens(self) -> int:
         return max((lc.cached_tokens for lc in self.lifecycles), default=0)
+
+    @property
+    def prompt_logprobs(self) -> tuple[SampledToken, ...] | None:
+        """Prompt tokens 1..n-1 with logprobs (when ``sampling.prompt_logprobs`` is set), known
+        once the first token of a sequence arrived; None before or when not asked."""
+        for lc in self.lifecycles:
+            if lc.prompt_logprobs is not None:
+                return lc.prompt_logprobs
+        return None
 
     @property
     def done(self) -> bool:
@@ -316,6 +332,8 @@ class Router:
         self.pool = pool
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
+        self._grammar: GrammarCompiler | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
 
     @property
     def model_name(self) -> str:
@@ -342,6 +360,8 @@ class Router:
         ids = list(prompt_token_ids)
         self.check_token_ids(ids, prompt_param)
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
+        self.check_token_ids(sampling.allowed_token_ids or (), "allowed_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
         max_tokens = resolve_max_tokens(
@@ -372,6 +392,20 @@ class Router:
                 f"sequences; at most {self.config.max_sequences} are allowed per request",
                 param="prompt" if num_prompts > 1 else "n",
             )
+
+    def check_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
+        cannot compile is a 400 naming its field before any worker sees it. Blocking: the first
+        call wraps the tokenizer (about a second), a compile takes milliseconds; call it off
+        the event loop. Raises BadRequest."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                tok = self.tokenizer
+                self._grammar = GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
+        try:
+            self._grammar.compile(spec)
+        except StructuredOutputError as e:
+            raise BadRequest(str(e), param=e.field) from None
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Raise BadRequest naming ``param`` when an id is outside ``[0, vocab_size)``."""

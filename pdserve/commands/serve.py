@@ -84,6 +84,18 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds before a request is aborted"
     )
     g.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (a Jinja file, or the template itself) used instead of the model's",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["auto", "hermes", "json"],
+        help="how tool calls are read from chat output (default: hermes when the chat template "
+        "uses <tool_call>, else json)",
+    )
+    g.add_argument(
         "--log-level",
         default=None,
         choices=["debug", "info", "warning", "error"],
@@ -229,6 +241,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     """Validate flags and read the model config (no weights). Raises ConfigError naming the flag."""
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
+    from pdserve.tokenizer import load_chat_template
 
     load = LoadConfig(
         model=args.model,
@@ -276,6 +289,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         request_timeout_s=args.request_timeout,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+        tool_call_parser=args.tool_call_parser,
     )
     name = args.served_model_name or resolve_model(args.model).name
     return ServePlan(
@@ -426,6 +441,8 @@ async def serve_async(
             lifecycle=LifecycleConfig(
                 block_size=s.engine.cache.block_size, unified=s.mode == "unified"
             ),
+            chat_template=s.chat_template,
+            tool_call_parser=s.tool_call_parser,
         ),
         tokenizer,
         pool,

@@ -148,6 +148,52 @@ def fill_bitmasks(matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.nd
     )
 
 
+_shared: dict[tuple[str, int, tuple[int, ...]], GrammarCompiler] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_compiler(model: str, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:
+    """The process's compiler for ``model``'s tokenizer (built on first use, about a second).
+
+    Raises StructuredOutputError (field ``structured_outputs``) when the model has no loadable
+    tokenizer (e.g. ``--load-format dummy``).
+    """
+    from pdserve.config import ConfigError
+    from pdserve.tokenizer import load_tokenizer
+
+    key = (model, vocab_size, tuple(eos_token_ids))
+    with _shared_lock:
+        found = _shared.get(key)
+        if found is None:
+            try:
+                tok = load_tokenizer(model)
+            except ConfigError as e:
+                raise StructuredOutputError(
+                    "structured_outputs", f"structured output needs the model's tokenizer: {e}"
+                ) from None
+            found = GrammarCompiler(tok.hf, vocab_size, eos_token_ids or tok.eos_token_ids)
+            _shared[key] = found
+        return found
+
+
+def resume_matcher(
+    model: str,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    spec: StructuredOutputSpec | None,
+    token_ids: Sequence[int],
+    num_output_tokens: int,
+) -> GrammarMatcher | None:
+    """A worker's matcher for a request: None without ``spec``; else compiled (cached per spec)
+    by :func:`shared_compiler` and advanced over the last ``num_output_tokens`` of ``token_ids``
+    (the output generated before a re-prefill). Raises StructuredOutputError."""
+    if spec is None:
+        return None
+    k = num_output_tokens
+    compiler = shared_compiler(model, vocab_size, eos_token_ids)
+    return compiler.matcher(spec, token_ids[len(token_ids) - k :] if k else ())
+
+
 class GrammarCompiler:
     """Compiles specs against one tokenizer; thread-safe.
 

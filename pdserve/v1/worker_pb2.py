@@ -24,51 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\"\xbb\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x42\x07\n\x05_seed\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"n\n\x0eTransferRecord\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"N\n\x08KVTarget\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\"\xce\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferRecord\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb6\x02\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_prefills\x18\n \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x0b \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0c \x01(\x04\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x14\n\x0ckv_timeout_s\x18\x07 \x01(\x01\"k\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\x04 \x01(\x05\"2\n\x06Tokens\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"5\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\"5\n\tPreempted\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\nErrorEvent\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12*\n\tpreempted\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.PreemptedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.ErrorEventH\x00\x42\x07\n\x05\x65vent\"\x92\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0b \x01(\t2\xd2\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12>\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStats2\xcc\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\"\xab\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12\x30\n\nstructured\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\">\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"n\n\x0eTransferRecord\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"N\n\x08KVTarget\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\"\x81\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferRecord\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb6\x02\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_prefills\x18\n \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x0b \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0c \x01(\x04\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x14\n\x0ckv_timeout_s\x18\x07 \x01(\x01\"k\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\x04 \x01(\x05\"e\n\x06Tokens\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"5\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\"5\n\tPreempted\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\nErrorEvent\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12*\n\tpreempted\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.PreemptedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.ErrorEventH\x00\x42\x07\n\x05\x65vent\"\x92\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0b \x01(\t2\xd2\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12>\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStats2\xcc\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=355
-  _globals['_TOKENLOGPROB']._serialized_start=357
-  _globals['_TOKENLOGPROB']._serialized_end=451
-  _globals['_TRANSFERRECORD']._serialized_start=453
-  _globals['_TRANSFERRECORD']._serialized_end=563
-  _globals['_KVTARGET']._serialized_start=565
-  _globals['_KVTARGET']._serialized_end=643
-  _globals['_PREFILLREQUEST']._serialized_start=646
-  _globals['_PREFILLREQUEST']._serialized_end=845
-  _globals['_PREFILLRESPONSE']._serialized_start=848
-  _globals['_PREFILLRESPONSE']._serialized_end=1054
-  _globals['_ABORTREQUEST']._serialized_start=1056
-  _globals['_ABORTREQUEST']._serialized_end=1090
-  _globals['_ABORTRESPONSE']._serialized_start=1092
-  _globals['_ABORTRESPONSE']._serialized_end=1122
-  _globals['_STATSREQUEST']._serialized_start=1124
-  _globals['_STATSREQUEST']._serialized_end=1138
-  _globals['_PREFILLSTATS']._serialized_start=1141
-  _globals['_PREFILLSTATS']._serialized_end=1451
-  _globals['_DECODEREQUEST']._serialized_start=1454
-  _globals['_DECODEREQUEST']._serialized_end=1661
-  _globals['_ACCEPTED']._serialized_start=1663
-  _globals['_ACCEPTED']._serialized_end=1770
-  _globals['_TOKENS']._serialized_start=1772
-  _globals['_TOKENS']._serialized_end=1822
-  _globals['_FINISHED']._serialized_start=1824
-  _globals['_FINISHED']._serialized_end=1877
-  _globals['_PREEMPTED']._serialized_start=1879
-  _globals['_PREEMPTED']._serialized_end=1932
-  _globals['_ERROREVENT']._serialized_start=1934
-  _globals['_ERROREVENT']._serialized_end=1977
-  _globals['_DECODEEVENT']._serialized_start=1980
-  _globals['_DECODEEVENT']._serialized_end=2209
-  _globals['_DECODESTATS']._serialized_start=2212
-  _globals['_DECODESTATS']._serialized_end=2486
-  _globals['_PREFILLSERVICE']._serialized_start=2489
-  _globals['_PREFILLSERVICE']._serialized_end=2699
-  _globals['_DECODESERVICE']._serialized_start=2702
-  _globals['_DECODESERVICE']._serialized_end=2906
+  _globals['_SAMPLINGPARAMS']._serialized_end=595
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=518
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=566
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=597
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=659
+  _globals['_TOKENLOGPROB']._serialized_start=661
+  _globals['_TOKENLOGPROB']._serialized_end=755
+  _globals['_TRANSFERRECORD']._serialized_start=757
+  _globals['_TRANSFERRECORD']._serialized_end=867
+  _globals['_KVTARGET']._serialized_start=869
+  _globals['_KVTARGET']._serialized_end=947
+  _globals['_PREFILLREQUEST']._serialized_start=950
+  _globals['_PREFILLREQUEST']._serialized_end=1149
+  _globals['_PREFILLRESPONSE']._serialized_start=1152
+  _globals['_PREFILLRESPONSE']._serialized_end=1409
+  _globals['_ABORTREQUEST']._serialized_start=1411
+  _globals['_ABORTREQUEST']._serialized_end=1445
+  _globals['_ABORTRESPONSE']._serialized_start=1447
+  _globals['_ABORTRESPONSE']._serialized_end=1477
+  _globals['_STATSREQUEST']._serialized_start=1479
+  _globals['_STATSREQUEST']._serialized_end=1493
+  _globals['_PREFILLSTATS']._serialized_start=1496
+  _globals['_PREFILLSTATS']._serialized_end=1806
+  _globals['_DECODEREQUEST']._serialized_start=1809
+  _globals['_DECODEREQUEST']._serialized_end=2016
+  _globals['_ACCEPTED']._serialized_start=2018
+  _globals['_ACCEPTED']._serialized_end=2125
+  _globals['_TOKENS']._serialized_start=2127
+  _globals['_TOKENS']._serialized_end=2228
+  _globals['_FINISHED']._serialized_start=2230
+  _globals['_FINISHED']._serialized_end=2283
+  _globals['_PREEMPTED']._serialized_start=2285
+  _globals['_PREEMPTED']._serialized_end=2338
+  _globals['_ERROREVENT']._serialized_start=2340
+  _globals['_ERROREVENT']._serialized_end=2383
+  _globals['_DECODEEVENT']._serialized_start=2386
+  _globals['_DECODEEVENT']._serialized_end=2615
+  _globals['_DECODESTATS']._serialized_start=2618
+  _globals['_DECODESTATS']._serialized_end=2892
+  _globals['_PREFILLSERVICE']._serialized_start=2895
+  _globals['_PREFILLSERVICE']._serialized_end=3105
+  _globals['_DECODESERVICE']._serialized_start=3108
+  _globals['_DECODESERVICE']._serialized_end=3312
 # @@protoc_insertion_point(module_scope)
