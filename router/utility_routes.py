@@ -10,6 +10,7 @@ vocabulary are a 400 naming ``tokens``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -101,7 +102,7 @@ def add_utility_routes(
                 for i, m in enumerate(body.messages)
             ]
             try:
-                text = await run(
+                render = functools.partial(
                     tok.render_chat,
                     msgs,
                     body.add_generation_prompt,
@@ -110,6 +111,7 @@ def add_utility_routes(
                     chat_template=router.config.chat_template,
                     chat_template_kwargs=body.chat_template_kwargs,
                 )
+                text = await run(render)
             except TokenizerError as e:
                 raise BadRequest(str(e), param=e.param or "messages") from None
             special = bool(body.add_special_tokens)
