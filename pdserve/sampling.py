@@ -274,28 +274,33 @@ class Sampler:
         if not rows:
             return
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        live = []
+        live, broken = [], []
         for j, i in enumerate(rows):
             m = seqs[i].grammar
             assert m is not None
-            if not m.error:
-                live.append((m, j))
+            (broken if m.error else live).append((m, j))
         if live:
             fill_bitmasks(live, bitmask)
         allowed = torch.from_numpy(unpack_bitmask(bitmask, self.vocab_size)).to(x.device)
-        eos_only = torch.zeros(self.vocab_size, dtype=torch.bool, device=x.device)
-        eos_only[list(self.eos_token_ids)] = True
-        for j, i in enumerate(rows):
-            m = seqs[i].grammar
-            assert m is not None
-            if m.error or not bool(allowed[j].any()):
-                allowed[j] = eos_only
+        stuck = [j for _, j in broken]
+        if len(live) > len(broken):  # a live grammar allowing nothing is an error state too
+            stuck += (~allowed.any(dim=1)).nonzero().flatten().tolist()
+        if stuck:
+            eos_only = torch.zeros(self.vocab_size, dtype=torch.bool, device=x.device)
+            eos_only[list(self.eos_token_ids)] = True
+            allowed[sorted(set(stuck))] = eos_only
+        whole = len(rows) == x.shape[0]  # every row constrained: mask in place, no row copies
         idx = torch.tensor(rows, device=x.device)
-        masked = x[idx].masked_fill(~allowed, float("-inf"))
+        masked = (
+            x.masked_fill_(~allowed, float("-inf"))
+            if whole
+            else x[idx].masked_fill(~allowed, float("-inf"))
+        )
         dead = torch.isneginf(masked.amax(dim=-1))
         if bool(dead.any()):  # min_tokens or a bias left nothing: keep the grammar's tokens
             masked[dead] = raw[idx[dead]].masked_fill(~allowed[dead], float("-inf"))
-        x[idx] = masked
+        if not whole:
+            x[idx] = masked
 
     # -- penalties ---------------------------------------------------------------------------
 
