@@ -51,7 +51,7 @@ from decode_worker.scheduler import DecodeScheduler, StepPlan
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
-from pdserve.structured.grammar import GrammarMatcher, resume_matcher
+from pdserve.structured.grammar import resume_matcher
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
@@ -215,7 +215,11 @@ class DecodeEngine:
         UNAVAILABLE (stopping, or no receiver for a remote request), FAILED_PRECONDITION (local
         prefill not allowed here).
         """
-        grammar = self._grammar(req)  # outside the lock: a first compile may take a while
+        try:  # outside the lock: a first compile may take a while
+            grammar = resume_matcher(self.config.load.model, self.runner.model_config,
+                                     req.sampling.structured, req.prompt_token_ids, req.num_output_tokens)  # fmt: skip
+        except StructuredOutputError as e:
+            raise RequestRefused(INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             if self._stopping:
                 raise RequestRefused(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
@@ -260,19 +264,6 @@ class DecodeEngine:
             decode_worker_id=self.worker_id,
             num_reserved_blocks=len(table),
         )
-
-    def _grammar(self, req: DecodeRequest) -> GrammarMatcher | None:
-        """The request's structured-output state, advanced over the earlier output at the end of
-        its prompt (a resumed request). Raises RequestRefused INVALID_ARGUMENT when the spec
-        does not compile or that output leaves the grammar."""
-        mc = self.runner.model_config
-        try:
-            return resume_matcher(
-                self.config.load.model, mc.vocab_size, mc.eos_token_ids,
-                req.sampling.structured, req.prompt_token_ids, req.num_output_tokens,
-            )  # fmt: skip
-        except StructuredOutputError as e:
-            raise RequestRefused(INVALID_ARGUMENT, str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Drop ``request_id`` (CANCELLED event), free its blocks, forget its KV transfer.

@@ -42,7 +42,12 @@ import torch
 
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.sampling_params import SamplingError, SamplingParams
-from pdserve.structured.grammar import allocate_bitmask, fill_bitmasks, unpack_bitmask
+from pdserve.structured.grammar import (
+    GrammarMatcher,
+    allocate_bitmask,
+    fill_bitmasks,
+    unpack_bitmask,
+)
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
@@ -274,7 +279,8 @@ class Sampler:
         if not rows:
             return
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        live, broken = [], []
+        live: list[tuple[GrammarMatcher, int]] = []
+        broken: list[tuple[GrammarMatcher, int]] = []
         for j, i in enumerate(rows):
             m = seqs[i].grammar
             assert m is not None

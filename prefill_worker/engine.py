@@ -33,7 +33,7 @@ from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingError
-from pdserve.structured.grammar import GrammarMatcher, resume_matcher
+from pdserve.structured.grammar import resume_matcher
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 from prefill_worker.request import (
@@ -168,7 +168,12 @@ class PrefillEngine:
         if self._closed:
             raise PrefillError(UNAVAILABLE, "prefill worker is shutting down")
         self._validate(request)
-        grammar = self._grammar(request)
+        try:  # the state token 1 is sampled under (advanced over a re-prefill's earlier output)
+            grammar = resume_matcher(self.config.load.model, self.runner.model_config,
+                                     request.sampling.structured, request.prompt_token_ids,
+                                     request.num_output_tokens)  # fmt: skip
+        except StructuredOutputError as e:
+            raise PrefillError(INVALID_ARGUMENT, str(e)) from None
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
@@ -226,19 +231,6 @@ class PrefillEngine:
             raise PrefillError(UNAVAILABLE, "this prefill worker has no KV sender configured")
         if request.deadline is not None and request.deadline <= time.time():
             raise PrefillError(DEADLINE_EXCEEDED, "request deadline already passed")
-
-    def _grammar(self, request: PrefillRequest) -> GrammarMatcher | None:
-        """The structured-output state token 1 is sampled under: compiled (cached per spec) and
-        advanced over the earlier output of a re-prefill. Raises PrefillError INVALID_ARGUMENT
-        when the spec does not compile or the earlier output leaves the grammar."""
-        mc = self.runner.model_config
-        try:
-            return resume_matcher(
-                self.config.load.model, mc.vocab_size, mc.eos_token_ids,
-                request.sampling.structured, request.prompt_token_ids, request.num_output_tokens,
-            )  # fmt: skip
-        except StructuredOutputError as e:
-            raise PrefillError(INVALID_ARGUMENT, str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request at any stage, freeing everything it holds; its future fails with

@@ -46,6 +46,8 @@ from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+    from pdserve.config import ModelConfig
+
 # Bounds on compile work (llguidance's units; ~50k lexer fuel per ms): ~100 ms of regex
 # analysis and a grammar of at most 200k symbols.
 INITIAL_LEXER_FUEL = 5_000_000
@@ -187,19 +189,19 @@ def shared_compiler(model: str, vocab_size: int, eos_token_ids: Sequence[int]) -
 
 def resume_matcher(
     model: str,
-    vocab_size: int,
-    eos_token_ids: Sequence[int],
+    model_config: ModelConfig,
     spec: StructuredOutputSpec | None,
     token_ids: Sequence[int],
     num_output_tokens: int,
 ) -> GrammarMatcher | None:
     """A worker's matcher for a request: None without ``spec``; else compiled (cached per spec)
-    by :func:`shared_compiler` and advanced over the last ``num_output_tokens`` of ``token_ids``
-    (the output generated before a re-prefill). Raises StructuredOutputError."""
+    by :func:`shared_compiler` for ``model``'s tokenizer and ``model_config``'s vocabulary and
+    EOS ids, and advanced over the last ``num_output_tokens`` of ``token_ids`` (the output
+    generated before a re-prefill). Raises StructuredOutputError."""
     if spec is None:
         return None
     k = num_output_tokens
-    compiler = shared_compiler(model, vocab_size, eos_token_ids)
+    compiler = shared_compiler(model, model_config.vocab_size, model_config.eos_token_ids)
     return compiler.matcher(spec, token_ids[len(token_ids) - k :] if k else ())
 
 

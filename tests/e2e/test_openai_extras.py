@@ -32,27 +32,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "hermes_template.jinja"
 ARGS = ["--dtype", "float32", "--chat-template", str(TEMPLATE)]
 PROMPT = "The capital of France is"
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "height_m": {"type": "number"},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "height_m", "role", "tags", "address"],
-    "additionalProperties": False,
-}
+# nested objects, arrays, enums, integers and numbers (bounded lengths: small outputs)
+SCHEMA: dict[str, Any] = json.loads((TEMPLATE.parent / "person_schema.json").read_text())
 WEATHER = {
     "type": "function",
     "function": {

@@ -5,36 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig
 from pdserve.engine import runner as runner_mod
 from pdserve.engine.batch import ScheduledSeq
-from pdserve.engine.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from tests.engine.test_runner import BS, _runner
 from tests.model.tiny_models import PagedForward
 
 pytestmark = pytest.mark.timeout(120)
-
-TINY = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    eos_token_ids=(2,),
-)
-BS = 4
-
-
-def _runner() -> ModelRunner:
-    cfg = EngineConfig(
-        load=LoadConfig(model="dummy", load_format="dummy", dtype="float32", seed=0),
-        cache=CacheConfig(block_size=BS, num_blocks=48),
-    )
-    return ModelRunner(cfg, TINY)
 
 
 def test_chunked_prompt_logprobs_equal_full_forward(monkeypatch: pytest.MonkeyPatch) -> None:

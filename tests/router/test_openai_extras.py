@@ -1,4 +1,4 @@
-"""Issue 13 in the HTTP gateway against fake workers: tool_calls shaping (streamed == whole),
+"""Issue 13 in the HTTP and gRPC gateways against fake workers: tool_calls shaping (streamed == whole),
 chat echo, request validation (logit_bias, structured output, tools, template controls,
 max_tokens 0) and the utility endpoints."""
 
@@ -9,12 +9,17 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from fake_workers import EOS, start_fake_cluster
 from test_http_gateway import assert_openai_error, sse_events
 
 from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from router.grpc_gateway import GrpcGateway
 from router.http_gateway import build_app
 from router.serving import Router, RouterConfig
 
@@ -160,3 +165,66 @@ async def test_utility_endpoints(tokenizer: Tokenizer) -> None:
         m = await http.get("/v1/models/smollm2")
         assert m.json()["id"] == "smollm2" and m.json()["max_model_len"] == 512
         assert_openai_error(await http.get("/v1/models/gpt-4"), 404, "model")
+
+
+# -- gRPC parity ------------------------------------------------------------------------------
+
+
+async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> None:
+    script = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    cfg = RouterConfig(model_name="smollm2", max_model_len=512, chat_template=TEMPLATE)
+    gw = GrpcGateway(Router(cfg, tokenizer, c.pool), host="127.0.0.1", port=0)
+    await gw.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+    try:
+        stub = gpb_grpc.GenerationStub(channel)
+        chat = gpb.ChatMessages(
+            messages=[gpb.ChatMessage(role="user", content="Weather in Paris?")],
+            tools_json=json.dumps([WEATHER]),
+        )
+        sampling = wpb.SamplingParams(max_tokens=64, prompt_logprobs=1)
+        sampling.logit_bias[5] = -3.0
+        out = [r async for r in stub.Generate(gpb.GenerateRequest(chat=chat, sampling=sampling))]
+        done = out[-1].complete
+        assert done.finish_reason == "tool_calls" and done.text == "Sure."
+        assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        sent = c.decodes[0].requests[-1].sampling
+        assert dict(sent.logit_bias) == {5: -3.0} and sent.prompt_logprobs == 1
+
+        forced = gpb.ChatMessages(
+            messages=chat.messages, tools_json=chat.tools_json, tool_choice_json='"required"'
+        )
+        await stub.Generate(
+            gpb.GenerateRequest(chat=forced, sampling=wpb.SamplingParams(max_tokens=8))
+        ).read()
+        spec = c.decodes[0].requests[-1].sampling.structured
+        assert spec.kind == "json_schema" and spec.field == "tool_choice"
+
+        bad = [
+            (gpb.ChatMessages(messages=chat.messages, tools_json="{"), "tools_json"),
+            (
+                gpb.ChatMessages(messages=chat.messages, tool_choice_json='"required"'),
+                "tool_choice",
+            ),
+            (
+                gpb.ChatMessages(
+                    messages=chat.messages, add_generation_prompt=True, continue_final_message=True
+                ),
+                "continue_final_message",
+            ),
+        ]
+        for msgs, word in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(gpb.GenerateRequest(chat=msgs)).read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
+        regex = wpb.SamplingParams(structured=wpb.StructuredOutput(kind="regex", value="[a-"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(gpb.GenerateRequest(text="hi", sampling=regex)).read()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await channel.close()
+        await gw.stop(0)
+        await c.close()

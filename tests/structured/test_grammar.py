@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -27,24 +28,7 @@ from pdserve.tokenizer import Tokenizer
 pytestmark = pytest.mark.timeout(120)
 
 VOCAB = 49152
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number"},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "score", "role", "tags", "address"],
-    "additionalProperties": False,
-}
+SCHEMA = json.loads((Path(__file__).parents[1] / "fixtures" / "person_schema.json").read_text())
 
 
 # -- specs ----------------------------------------------------------------------------------------
@@ -101,7 +85,7 @@ def test_matcher_follows_tokens_from_elsewhere(
 ) -> None:
     spec = StructuredOutputSpec.json_schema(SCHEMA, "response_format")
     text = (
-        '{"name":"Al","age":3,"score":1.5,"role":"user","tags":["x"],'
+        '{"name":"Al","age":3,"height_m":1.5,"role":"user","tags":["x"],'
         '"address":{"city":"Oslo","zip":1}}'
     )
     ids = smol_tokenizer.encode(text, add_special_tokens=False)
@@ -126,7 +110,7 @@ def test_parallel_fill_equals_one_by_one(
     compiler: GrammarCompiler, smol_tokenizer: Tokenizer
 ) -> None:
     spec = StructuredOutputSpec.json_schema(SCHEMA)
-    prefixes = ['{"name":"', '{"name":"A","age":', '{"name":"A","age":1,"score":2,"role":"']
+    prefixes = ['{"name":"', '{"name":"A","age":', '{"name":"A","age":1,"height_m":2,"role":"']
     ms: list[GrammarMatcher] = [
         compiler.matcher(spec, smol_tokenizer.encode(p, add_special_tokens=False)) for p in prefixes
     ]
