@@ -237,10 +237,8 @@ class ChatCompletionRequest(_Common):
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
             msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
-            if m.tool_calls:
+            if m.tool_calls:  # content stays "" when absent: templates concatenate it
                 msg["tool_calls"] = m.tool_calls
-                if m.content is None:
-                    msg["content"] = None
             for key in ("name", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
