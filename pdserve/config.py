@@ -319,6 +319,8 @@ class ServeConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 262144
     request_timeout_s: float = 600.0
+    chat_template: str | None = None  # template text replacing the model's (--chat-template)
+    tool_call_parser: str | None = None  # 'hermes' | 'json'; None = chosen from the template
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "unified"):

@@ -10,8 +10,12 @@ Per step, for logits ``[num_seqs, vocab]``, each row goes through, in order:
    ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
 4. ``min_tokens``: EOS and ``stop_token_ids`` masked to -inf until that many tokens were
    generated (``ignore_eos`` masks nothing; the engine stops on EOS unless it is set);
-5. greedy rows (temperature 0, or top_k 1): argmax, done;
-6. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
+5. ``logit_bias`` added (OpenAI), tokens outside ``allowed_token_ids`` masked (vLLM), and the
+   structured-output grammar's token bitmask applied (tokens the grammar forbids masked). The
+   grammar wins over ``min_tokens``: if the two leave nothing, the grammar's tokens are kept;
+   a grammar state that errored allows only EOS, so the sequence ends instead of running on;
+6. greedy rows (temperature 0, or top_k 1): argmax, done;
+7. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
    2019: the smallest set of most likely tokens whose probability reaches top_p), min-p (Nguyen
    et al. 2024: drop tokens whose probability is below min_p times the top token's), in the order
    transformers applies them; then sample from the softmax.
@@ -22,6 +26,9 @@ probability ``p_i``) and needs no per-row multinomial call. The noise of a seede
 its own ``torch.Generator`` seeded by a hash of (seed, position = len(output_token_ids)) and is
 drawn on the CPU, so its tokens depend neither on batch companions nor on which worker (or device)
 ran the step; unseeded rows share one sampler-wide generator on the logits' device.
+
+NOTE: after sampling, ``__call__`` advances each row's grammar matcher over the sampled token, so
+every caller (prefill token 1, decode steps, offline) keeps grammar state the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +42,13 @@ import torch
 
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.structured.grammar import (
+    GrammarMatcher,
+    allocate_bitmask,
+    fill_bitmasks,
+    unpack_bitmask,
+)
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
@@ -49,13 +63,16 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 
 def _modifies_logits(s: ScheduledSeq) -> bool:
-    """Whether a penalty or the min_tokens mask changes this row's logits this step."""
+    """Whether a penalty, a mask or a bias changes this row's logits this step."""
     p = s.sampling
     return (
         p.repetition_penalty != 1.0
         or p.frequency_penalty != 0
         or p.presence_penalty != 0
         or len(s.output_token_ids) < p.min_tokens
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+        or s.grammar is not None
     )
 
 
@@ -127,11 +144,25 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def check(self, params: SamplingParams) -> None:
-        """Reject params that only make sense against this vocabulary. Raises SamplingError."""
+        """Reject params that only make sense against this vocabulary. Raises SamplingError
+        naming the field (and, for ``logit_bias``, the key)."""
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise SamplingError(
                 "stop_token_ids", f"'stop_token_ids' {bad} outside [0, {self.vocab_size})"
+            )
+        for t, _ in params.logit_bias:
+            if not 0 <= t < self.vocab_size:
+                raise SamplingError(
+                    "logit_bias",
+                    f"'logit_bias' key '{t}' is not a token id of this model's vocabulary "
+                    f"[0, {self.vocab_size})",
+                )
+        bad = [i for i in params.allowed_token_ids or () if not 0 <= i < self.vocab_size]
+        if bad:
+            raise SamplingError(
+                "allowed_token_ids",
+                f"'allowed_token_ids' {bad[:8]} outside the vocabulary [0, {self.vocab_size})",
             )
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
@@ -165,7 +196,14 @@ class Sampler:
             noise = self._noise(s_seqs, probs.shape[1], probs.device)  # [rows, vocab], Exp(1)
             tokens[s_rows] = row_argmax(probs / noise)
 
-        return self._results(tokens, raw_logprobs, lp_rows, params)
+        out = self._results(tokens, raw_logprobs, lp_rows, params)
+        for s, t in zip(seqs, out, strict=True):
+            if s.grammar is not None and not s.grammar.error:
+                try:
+                    s.grammar.advance([t.token_id])
+                except StructuredOutputError:
+                    pass  # the matcher is now in its error state: the next step allows only EOS
+        return out
 
     def processed_logits(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32,
@@ -206,7 +244,69 @@ class Sampler:
         x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
+        self._apply_bias_and_allowed(x, seqs)
+        self._apply_grammar(x, logits, seqs)
         return x
+
+    # -- biases and masks --------------------------------------------------------------------
+
+    def _apply_bias_and_allowed(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+        """In place on ``x`` [n, vocab]: add ``logit_bias``, mask tokens outside
+        ``allowed_token_ids``. Raises ValueError for an id outside the vocabulary."""
+        for i, s in enumerate(seqs):
+            p = s.sampling
+            if p.logit_bias:
+                self.check(p)
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], device=x.device)
+                x[i, ids] += bias
+            if p.allowed_token_ids is not None:
+                self.check(p)
+                keep = torch.tensor(p.allowed_token_ids, device=x.device)
+                banned = torch.ones(self.vocab_size, dtype=torch.bool, device=x.device)
+                banned[keep] = False
+                x[i].masked_fill_(banned, float("-inf"))
+
+    def _apply_grammar(
+        self, x: torch.Tensor, raw: torch.Tensor, seqs: Sequence[ScheduledSeq]
+    ) -> None:
+        """In place on ``x`` [n, vocab]: mask what each row's grammar forbids next.
+
+        ``raw``: the unprocessed logits, for the rows where min_tokens left nothing the grammar
+        allows (the grammar wins). A matcher in its error state allows only EOS.
+        """
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        live: list[tuple[GrammarMatcher, int]] = []
+        broken: list[tuple[GrammarMatcher, int]] = []
+        for j, i in enumerate(rows):
+            m = seqs[i].grammar
+            assert m is not None
+            (broken if m.error else live).append((m, j))
+        if live:
+            fill_bitmasks(live, bitmask)
+        allowed = torch.from_numpy(unpack_bitmask(bitmask, self.vocab_size)).to(x.device)
+        stuck = [j for _, j in broken]
+        if len(live) > len(broken):  # a live grammar allowing nothing is an error state too
+            stuck += (~allowed.any(dim=1)).nonzero().flatten().tolist()
+        if stuck:
+            eos_only = torch.zeros(self.vocab_size, dtype=torch.bool, device=x.device)
+            eos_only[list(self.eos_token_ids)] = True
+            allowed[sorted(set(stuck))] = eos_only
+        whole = len(rows) == x.shape[0]  # every row constrained: mask in place, no row copies
+        idx = torch.tensor(rows, device=x.device)
+        masked = (
+            x.masked_fill_(~allowed, float("-inf"))
+            if whole
+            else x[idx].masked_fill(~allowed, float("-inf"))
+        )
+        dead = torch.isneginf(masked.amax(dim=-1))
+        if bool(dead.any()):  # min_tokens or a bias left nothing: keep the grammar's tokens
+            masked[dead] = raw[idx[dead]].masked_fill(~allowed[dead], float("-inf"))
+        if not whole:
+            x[idx] = masked
 
     # -- penalties ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from router.prompts import PromptPreparer
 from router.request_id import current_request_id
 from router.request_log import RequestLog
 from router.serving_stats import ServingStats
+from router.tool_parsers import select_parser
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class RouterConfig:
     ``max_model_len``: prompt + output limit. ``max_n``: sequences per prompt (``n``).
     ``max_sequences``: sequences per request over all its prompts (prompts x ``n``).
     ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
+    ``chat_template``: a Jinja chat template used instead of the model's (``--chat-template``).
+    ``tool_call_parser``: 'hermes' | 'json' | None (chosen from the chat template).
     """
 
     model_name: str
@@ -65,6 +68,8 @@ class RouterConfig:
     max_n: int = 16
     max_sequences: int = 64
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -139,6 +144,15 @@ class RequestStream:
     @property
     def cached_tokens(self) -> int:
         return max((lc.cached_tokens for lc in self.lifecycles), default=0)
+
+    @property
+    def prompt_logprobs(self) -> tuple[SampledToken, ...] | None:
+        """Prompt tokens 1..n-1 with logprobs (when ``sampling.prompt_logprobs`` is set), known
+        once the first token of a sequence arrived; None before or when not asked."""
+        for lc in self.lifecycles:
+            if lc.prompt_logprobs is not None:
+                return lc.prompt_logprobs
+        return None
 
     @property
     def done(self) -> bool:
@@ -344,7 +358,12 @@ class Router:
         self.pool = pool
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
-        self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
+        # both gateways tokenize (and check structured-output specs) through it
+        self.prompts = PromptPreparer(tokenizer, config.chat_template)
+        # how tool calls are read from chat output (both gateways)
+        self.tool_parser = select_parser(
+            config.tool_call_parser, config.chat_template or tokenizer.hf.chat_template
+        )
         self.stats = ServingStats()  # the operators' view (/v1/cluster/status)
         self.requests = RequestLog()  # per-request records (/v1/requests/{id})
 
@@ -373,6 +392,8 @@ class Router:
         ids = list(prompt_token_ids)
         self.check_token_ids(ids, prompt_param)
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
+        self.check_token_ids(sampling.allowed_token_ids or (), "allowed_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
         max_tokens = resolve_max_tokens(
