@@ -11,6 +11,12 @@ Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core
 one token (preempting the newest running sequence when no block is free), then prefill chunks of
 local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
 tokens and applies the stop check. Events and released transfer ids go to an outbox (``drain``).
+Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
+sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
+the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.
+
+The file runs a little past 450 lines: the sequence state machine (intake, KV arrival, the step,
+preemption, release) shares one set of queues and the in-step bookkeeping, and reads best whole.
 
 NOTE: blocks of a sequence inside the step being computed are freed only in
 ``update_from_output``, so a block the forward is writing is never handed to another request.

@@ -13,7 +13,8 @@ Per step, for logits ``[num_seqs, vocab]``, each row goes through, in order:
 5. ``logit_bias`` added (OpenAI), tokens outside ``allowed_token_ids`` masked (vLLM), and the
    structured-output grammar's token bitmask applied (tokens the grammar forbids masked). The
    grammar wins over ``min_tokens``: if the two leave nothing, the grammar's tokens are kept;
-   a grammar state that errored allows only EOS, so the sequence ends instead of running on;
+   a grammar state that errored allows only EOS, so the sequence ends instead of running on
+   (:mod:`pdserve.sampling_masks`);
 6. greedy rows (temperature 0, or top_k 1): argmax, done;
 7. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
    2019: the smallest set of most likely tokens whose probability reaches top_p), min-p (Nguyen
@@ -41,13 +42,8 @@ from itertools import chain
 import torch
 
 from pdserve.engine.batch import ScheduledSeq
+from pdserve.sampling_masks import apply_bias_and_allowed, apply_grammar
 from pdserve.sampling_params import SamplingError, SamplingParams
-from pdserve.structured.grammar import (
-    GrammarMatcher,
-    allocate_bitmask,
-    fill_bitmasks,
-    unpack_bitmask,
-)
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
@@ -244,69 +240,9 @@ class Sampler:
         x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
-        self._apply_bias_and_allowed(x, seqs)
-        self._apply_grammar(x, logits, seqs)
+        apply_bias_and_allowed(x, seqs, self.vocab_size, self.check)
+        apply_grammar(x, logits, seqs, self.vocab_size, self.eos_token_ids)
         return x
-
-    # -- biases and masks --------------------------------------------------------------------
-
-    def _apply_bias_and_allowed(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
-        """In place on ``x`` [n, vocab]: add ``logit_bias``, mask tokens outside
-        ``allowed_token_ids``. Raises ValueError for an id outside the vocabulary."""
-        for i, s in enumerate(seqs):
-            p = s.sampling
-            if p.logit_bias:
-                self.check(p)
-                ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
-                bias = torch.tensor([b for _, b in p.logit_bias], device=x.device)
-                x[i, ids] += bias
-            if p.allowed_token_ids is not None:
-                self.check(p)
-                keep = torch.tensor(p.allowed_token_ids, device=x.device)
-                banned = torch.ones(self.vocab_size, dtype=torch.bool, device=x.device)
-                banned[keep] = False
-                x[i].masked_fill_(banned, float("-inf"))
-
-    def _apply_grammar(
-        self, x: torch.Tensor, raw: torch.Tensor, seqs: Sequence[ScheduledSeq]
-    ) -> None:
-        """In place on ``x`` [n, vocab]: mask what each row's grammar forbids next.
-
-        ``raw``: the unprocessed logits, for the rows where min_tokens left nothing the grammar
-        allows (the grammar wins). A matcher in its error state allows only EOS.
-        """
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
-            return
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        live: list[tuple[GrammarMatcher, int]] = []
-        broken: list[tuple[GrammarMatcher, int]] = []
-        for j, i in enumerate(rows):
-            m = seqs[i].grammar
-            assert m is not None
-            (broken if m.error else live).append((m, j))
-        if live:
-            fill_bitmasks(live, bitmask)
-        allowed = torch.from_numpy(unpack_bitmask(bitmask, self.vocab_size)).to(x.device)
-        stuck = [j for _, j in broken]
-        if len(live) > len(broken):  # a live grammar allowing nothing is an error state too
-            stuck += (~allowed.any(dim=1)).nonzero().flatten().tolist()
-        if stuck:
-            eos_only = torch.zeros(self.vocab_size, dtype=torch.bool, device=x.device)
-            eos_only[list(self.eos_token_ids)] = True
-            allowed[sorted(set(stuck))] = eos_only
-        whole = len(rows) == x.shape[0]  # every row constrained: mask in place, no row copies
-        idx = torch.tensor(rows, device=x.device)
-        masked = (
-            x.masked_fill_(~allowed, float("-inf"))
-            if whole
-            else x[idx].masked_fill(~allowed, float("-inf"))
-        )
-        dead = torch.isneginf(masked.amax(dim=-1))
-        if bool(dead.any()):  # min_tokens or a bias left nothing: keep the grammar's tokens
-            masked[dead] = raw[idx[dead]].masked_fill(~allowed[dead], float("-inf"))
-        if not whole:
-            x[idx] = masked
 
     # -- penalties ---------------------------------------------------------------------------
 

@@ -79,16 +79,9 @@ class PromptPreparer:
         (``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents``,
         ``chat_template_kwargs``); the configured template override is added. A template error
         names ``param``, or ``control_prefix`` + the control at fault."""
-        conversation = self._conversation(messages, param)
-        try:
-            return await self._run(
-                self.tokenizer.render_chat,
-                conversation,
-                chat_template=self.chat_template,
-                **controls,
-            )
-        except TokenizerError as e:
-            raise BadRequest(str(e), param=_param(e, param, control_prefix)) from None
+        return await self._template(
+            self.tokenizer.render_chat, messages, param, control_prefix, controls
+        )
 
     async def chat(
         self,
@@ -99,14 +92,21 @@ class PromptPreparer:
     ) -> list[int]:
         """Token ids of a conversation with the chat template applied (by default with the
         assistant turn opened); arguments as :meth:`render_chat`."""
+        return await self._template(
+            self.tokenizer.apply_chat_template, messages, param, control_prefix, controls
+        )
+
+    async def _template(
+        self,
+        fn: Callable[..., _T],
+        messages: Sequence[Mapping[str, Any]],
+        param: str,
+        control_prefix: str,
+        controls: Mapping[str, Any],
+    ) -> _T:
         conversation = self._conversation(messages, param)
         try:
-            return await self._run(
-                self.tokenizer.apply_chat_template,
-                conversation,
-                chat_template=self.chat_template,
-                **controls,
-            )
+            return await self._run(fn, conversation, chat_template=self.chat_template, **controls)
         except TokenizerError as e:
             raise BadRequest(str(e), param=_param(e, param, control_prefix)) from None
 

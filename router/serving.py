@@ -15,6 +15,10 @@ stop token id is not included in the output.
 
 Seeds: with ``n`` > 1 and a seed, sequence *i* samples with ``seed + i`` so the sequences differ
 yet the request stays reproducible.
+
+The file runs just past 450 lines: the stream, its per-sequence text production and the Router's
+checks share the request's state and are read together; prompt preparation (router/prompts.py)
+and tool-call parsing (router/tool_parsers.py) already live apart.
 """
 
 from __future__ import annotations
