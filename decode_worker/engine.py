@@ -7,7 +7,7 @@ It owns the ModelRunner (weights, KV pool, sampler), a :class:`KVCacheManager` o
                                         └─ future done (KV scattered, token 1 in the header)
                                            ──> kv_arrived ──> admitted at the next step boundary
     step: schedule (expire, admit, decodes + preemption, local prefill chunks)
-          ──> runner.execute (one forward; releases the GIL) ──> update ──> events to sinks
+          ──> runner.run (one forward; releases the GIL) ──> update ──> events to sinks
 
 The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
 KV arrivals are completed on the receiver's threads: their callbacks only queue a notice and
@@ -37,11 +37,14 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.errors import (
     DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
     UNAVAILABLE,
     EngineError,
 )
 from pdserve.engine.faults import FaultInjector, FaultPhase
 from pdserve.engine.worker_engine import WorkerEngine
+from pdserve.structured.grammar import resume_matcher
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
 if TYPE_CHECKING:
@@ -178,6 +181,11 @@ class DecodeEngine(WorkerEngine):
         KV room), UNAVAILABLE (shutting down, or no receiver for a remote request),
         FAILED_PRECONDITION (local prefill not allowed here).
         """
+        try:  # outside the lock: a first compile may take a while
+            grammar = resume_matcher(self.config.load.model, self.runner.model_config,
+                                     req.sampling.structured, req.prompt_token_ids, req.num_output_tokens)  # fmt: skip
+        except StructuredOutputError as e:
+            raise EngineError(INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             if self.is_closed:
                 raise EngineError(UNAVAILABLE, f"decode worker {self.worker_id} is stopping")
@@ -189,7 +197,7 @@ class DecodeEngine(WorkerEngine):
             if not req.prefill_locally and self.receiver is None:
                 raise EngineError(UNAVAILABLE, f"decode worker {self.worker_id} has no KV receiver")
             transfer_id = 0 if req.prefill_locally else next(self._transfer_ids)
-            table = self.scheduler.add_request(req, transfer_id)
+            table = self.scheduler.add_request(req, transfer_id, grammar)
             self._sinks[req.request_id] = sink
             if not req.prefill_locally:
                 self._expect_kv(req, transfer_id, table)
@@ -311,7 +319,7 @@ class DecodeEngine(WorkerEngine):
                 return 0
         t0 = time.perf_counter()
         try:
-            sampled = self.runner.execute(output.scheduled)
+            out = self.runner.run(output.scheduled)
         except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
             log.exception("forward failed for %d sequences", len(output.scheduled))
             with self._lock:
@@ -321,7 +329,7 @@ class DecodeEngine(WorkerEngine):
         duration = time.perf_counter() - t0
         with self._lock:
             try:
-                self.scheduler.update_from_output(output, sampled)
+                self.scheduler.update_from_output(output, out.tokens, out.prompt_logprobs)
             except ValueError as e:
                 self.scheduler.fail_step(output, str(e))
             self._flush()

@@ -5,7 +5,9 @@ Every prompt runs through the :class:`DecodeScheduler` that serves: chunked loca
 prefix caching, decode-first continuous batching, preemption of the newest sequence when the pool
 runs out. This class adds only what the router does for a served request: it admits prompts
 while KV room (and ``max_num_seqs``) lasts, in order, and re-submits a preempted request as
-prompt + generated tokens (recompute), ahead of prompts not yet admitted.
+prompt + generated tokens (recompute), ahead of prompts not yet admitted. A request with
+``sampling.structured`` gets a grammar matcher like a served one (rebuilt over its output after a
+preemption).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pdserve.engine.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, EngineEr
 from pdserve.engine.runner import ModelRunner
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured.grammar import GrammarMatcher, resume_matcher
+from pdserve.structured.spec import StructuredOutputError
 
 
 @dataclass
@@ -100,8 +104,8 @@ class OfflineEngine:
     ) -> list[GenerationOutput]:
         """Generate for every prompt (token ids); outputs in prompt order. ``params``: one for all
         or one per prompt. Raises EngineError(INVALID_ARGUMENT) naming the prompt (empty, a token
-        id outside the vocabulary, no room under max_model_len, ``n`` > 1, a bad sampling value),
-        ValueError when the counts of prompts and params differ, RuntimeError when the KV cache
+        id outside the vocabulary, no room under max_model_len, ``n`` > 1, a bad sampling value, a
+        structured-output spec that does not compile), ValueError when the counts of prompts and params differ, RuntimeError when the KV cache
         cannot hold a request or a step fails."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
@@ -113,9 +117,10 @@ class OfflineEngine:
                 if sp.n != 1:
                     raise EngineError(INVALID_ARGUMENT, "'n' must be 1 for offline generation")
                 self.scheduler.validate(req)
+                job = _Job(req, self._matcher(req))
             except EngineError as e:
                 raise EngineError(e.code, f"prompt {i}: {e.message}") from None
-            jobs.append(_Job(req))
+            jobs.append(job)
         self.stats = GenerateStats()
         start = time.perf_counter()
         pending: deque[_Job] = deque(jobs)
@@ -147,13 +152,23 @@ class OfflineEngine:
         self.stats.wall_s = time.perf_counter() - start
         return [job.result() for job in jobs]
 
+    def _matcher(self, req: DecodeRequest) -> GrammarMatcher | None:
+        """``req``'s grammar matcher (None without a structured spec), advanced over its earlier
+        output. Raises EngineError(INVALID_ARGUMENT) when the spec does not compile."""
+        try:
+            return resume_matcher(self.config.load.model, self.runner.model_config,
+                                  req.sampling.structured, req.prompt_token_ids,
+                                  req.num_output_tokens)  # fmt: skip
+        except StructuredOutputError as e:
+            raise EngineError(INVALID_ARGUMENT, str(e)) from None
+
     def _admit(self, pending: deque[_Job]) -> None:
         """Reserve KV for pending requests in order while room and ``max_num_seqs`` last."""
         s = self.scheduler
         while pending and s.num_running + s.num_waiting < self.config.scheduler.max_num_seqs:
             job = pending[0]
             try:
-                s.add_request(job.request)
+                s.add_request(job.request, grammar=job.grammar)
             except EngineError as e:
                 if e.code != RESOURCE_EXHAUSTED:
                     raise
@@ -178,6 +193,7 @@ class OfflineEngine:
         elif isinstance(event, PreemptedEvent):
             self.stats.preemptions += 1
             job.resume()
+            job.grammar = self._matcher(job.request)
             pending.appendleft(job)
         elif isinstance(event, ErrorEvent):
             raise RuntimeError(f"request {job.request.request_id} failed: {event.message}")
@@ -186,8 +202,9 @@ class OfflineEngine:
 class _Job:
     """One prompt's generation across admissions: the original prompt and what it produced."""
 
-    def __init__(self, request: DecodeRequest) -> None:
+    def __init__(self, request: DecodeRequest, grammar: GrammarMatcher | None) -> None:
         self.request = request
+        self.grammar = grammar
         self.prompt = list(request.prompt_token_ids)
         self.output: list[int] = []
         self.logprobs: list[float] = []

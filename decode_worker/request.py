@@ -51,9 +51,14 @@ class Accepted:
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """Tokens sampled for the request this step, in order (with logprobs when asked)."""
+    """Tokens sampled for the request this step, in order (with logprobs when asked).
+
+    ``prompt_logprobs``: on the first event of a local prefill that asked for them, the
+    logprobs of prompt tokens 1..n-1 (token 0 has none); empty otherwise.
+    """
 
     tokens: tuple[SampledToken, ...]
+    prompt_logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)

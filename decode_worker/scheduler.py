@@ -11,6 +11,12 @@ Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core
 one token (preempting the newest running sequence when no block is free), then prefill chunks of
 local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
 tokens and applies the stop check. Events and released transfer ids go to an outbox (``drain``).
+Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
+sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
+the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.
+
+The file runs a little past 450 lines: the sequence state machine (intake, KV arrival, the step,
+preemption, release) shares one set of queues and the in-step bookkeeping, and reads best whole.
 
 NOTE: blocks of a sequence inside the step being computed are freed only in
 ``update_from_output``, so a block the forward is writing is never handed to another request.
@@ -22,8 +28,9 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from decode_worker.request import (
     DecodeEvent,
@@ -47,7 +54,11 @@ from pdserve.engine.errors import (
 from pdserve.engine.sequence import EngineSeq
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
-from pdserve.types import SampledToken
+from pdserve.structured.spec import StructuredOutputError
+from pdserve.types import PromptLogprobs, SampledToken
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
 
 
 class SeqState(enum.Enum):
@@ -62,12 +73,15 @@ class SeqState(enum.Enum):
 @dataclass(eq=False)
 class DecodeSeq(EngineSeq[DecodeRequest]):
     """One request attempt on this worker (see EngineSeq). ``key``: the KV-table key, unique per
-    attempt. ``kv_deadline``: wall seconds by which a remote prompt's KV must arrive."""
+    attempt. ``kv_deadline``: wall seconds by which a remote prompt's KV must arrive.
+    ``grammar`` (EngineSeq) is advanced over every output token, received or sampled here.
+    ``prompt_logprobs``: gathered chunk by chunk during a local prefill that asked for them."""
 
     key: str = ""
     transfer_id: int = 0
     state: SeqState = SeqState.WAITING_FOR_KV
     kv_deadline: float | None = None
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def is_prefilling(self) -> bool:
@@ -188,23 +202,32 @@ class DecodeScheduler:
                 INVALID_ARGUMENT, f"'kv_timeout_s' must be > 0, got {req.kv_timeout_s}"
             )
 
-    def add_request(self, req: DecodeRequest, transfer_id: int = 0) -> list[int]:
+    def add_request(
+        self, req: DecodeRequest, transfer_id: int = 0, grammar: GrammarMatcher | None = None
+    ) -> list[int]:
         """Reserve blocks for ``req``'s prompt and queue it. Returns the reserved block table.
 
         Remote requests (``prefill_locally`` False) wait for :meth:`kv_arrived` under
-        ``transfer_id``. Raises EngineError: INVALID_ARGUMENT or DEADLINE_EXCEEDED (see
-        :meth:`validate`), ALREADY_EXISTS (the request id is live here), RESOURCE_EXHAUSTED (not
-        enough free blocks).
+        ``transfer_id``. ``grammar``: the request's structured-output state, already advanced
+        over the earlier output in its prompt. Raises EngineError: INVALID_ARGUMENT or
+        DEADLINE_EXCEEDED (see :meth:`validate`), ALREADY_EXISTS (the request id is live here),
+        RESOURCE_EXHAUSTED (not enough free blocks).
         """
         self.validate(req)
         if req.request_id in self._seqs:
             raise EngineError(ALREADY_EXISTS, f"request {req.request_id!r} is already live")
-        seq = DecodeSeq(req, key=f"{req.request_id}#{next(self._keys)}", transfer_id=transfer_id)
+        seq = DecodeSeq(
+            req,
+            key=f"{req.request_id}#{next(self._keys)}",
+            transfer_id=transfer_id,
+            grammar=grammar,
+        )
         prompt = seq.token_ids
         n = len(prompt)
         computed: list[int] = []
         num_cached = 0
-        if req.prefill_locally:
+        # NOTE: prompt logprobs need every prompt token computed, so such a request skips the cache
+        if req.prefill_locally and req.sampling.prompt_logprobs is None:
             computed, num_cached = self.kv.get_computed_blocks(prompt)
         need = self.kv.num_blocks_needed(n) - len(computed)
         free = self.kv.num_free_blocks
@@ -244,6 +267,12 @@ class DecodeScheduler:
         if not 0 <= first_token.token_id < self.vocab_size:
             self._fail(seq, INTERNAL, f"token 1 id {first_token.token_id} is outside the vocab")
             return False
+        if seq.grammar is not None:  # token 1 was sampled under the grammar on the prefill worker
+            try:
+                seq.grammar.advance([first_token.token_id])
+            except StructuredOutputError as e:
+                self._fail(seq, INTERNAL, f"token 1 from the prefill worker: {e}")
+                return False
         seq.num_computed = seq.num_prompt_tokens
         seq.kv_deadline = None
         self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
@@ -348,11 +377,16 @@ class DecodeScheduler:
         return out
 
     def update_from_output(
-        self, output: DecodeOutput, sampled: Sequence[SampledToken | None]
+        self,
+        output: DecodeOutput,
+        sampled: Sequence[SampledToken | None],
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None = None,
     ) -> None:
         """Apply a computed step: advance KV, append sampled tokens, stop, free deferred blocks.
 
         ``sampled[i]`` belongs to ``output.scheduled[i]`` (None where nothing was sampled).
+        ``prompt_logprobs``: request id -> logprobs of prompt tokens this step's chunk predicted
+        (local prefill); sent with the request's first TokensEvent.
         Raises ValueError when the lengths differ (the step then counts as not run).
         """
         if len(sampled) != len(output.scheduled):
@@ -365,6 +399,8 @@ class DecodeScheduler:
                 continue  # aborted or expired mid-step; freed below
             seq.num_computed += len(sched.token_ids)
             self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
+            if prompt_logprobs and seq.request_id in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
             if not sched.sample:
                 continue
             if tok is None:
@@ -372,7 +408,8 @@ class DecodeScheduler:
                 continue
             reason = seq.append_token(tok.token_id, self.eos_token_ids, self.max_model_len)
             self.num_generated_tokens += 1
-            self._events.append((seq.request_id, TokensEvent((tok,))))
+            prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
+            self._events.append((seq.request_id, TokensEvent((tok,), prompt_lps)))
             if reason is not None:
                 self._finish(seq, reason)
         self._end_step()

@@ -60,7 +60,9 @@ def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
 def event_to_proto(ev: DecodeEvent) -> pb.DecodeEvent:
     """Engine event -> wire event."""
     if isinstance(ev, TokensEvent):
-        return pb.DecodeEvent(tokens=rpc.tokens_to_proto(ev.tokens))
+        msg = rpc.tokens_to_proto(ev.tokens)
+        msg.prompt_logprobs.extend(rpc.token_to_proto(t) for t in ev.prompt_logprobs)
+        return pb.DecodeEvent(tokens=msg)
     if isinstance(ev, FinishedEvent):
         return pb.DecodeEvent(
             finished=pb.Finished(reason=ev.reason, num_output_tokens=ev.num_output_tokens)

@@ -325,6 +325,8 @@ class ServeConfig:
     # open streaming (SSE) responses before new streaming requests get 429 (--max-concurrent-streams)
     max_concurrent_streams: int = 1024
     log_prompts: bool = False  # --log-prompts: prompt and output texts in the router's log
+    chat_template: str | None = None  # template text replacing the model's (--chat-template)
+    tool_call_parser: str | None = None  # 'hermes' | 'json'; None = chosen from the template
 
     def __post_init__(self) -> None:
         if self.max_concurrent_streams < 1:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.types import SampledToken, TransferRecord
 from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import worker_pb2 as pb
@@ -49,6 +50,17 @@ def sampling_to_proto(p: SamplingParams) -> cpb.SamplingParams:
     )
     if p.seed is not None:
         msg.seed = p.seed
+    for t, b in p.logit_bias:
+        msg.logit_bias[t] = b
+    msg.allowed_token_ids.extend(p.allowed_token_ids or ())
+    if p.structured is not None:
+        msg.structured.CopyFrom(
+            cpb.StructuredOutput(
+                kind=p.structured.kind, value=p.structured.value, field=p.structured.field
+            )
+        )
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -58,6 +70,14 @@ def sampling_from_proto(m: cpb.SamplingParams) -> SamplingParams:
     proto3 scalars default to 0, so ``top_p`` 0 and ``repetition_penalty`` 0 mean "unset" (1.0),
     and ``max_tokens`` must be >= 1.
     """
+    structured = None
+    if m.HasField("structured"):
+        try:
+            structured = StructuredOutputSpec(
+                m.structured.kind, m.structured.value, m.structured.field or "structured_outputs"
+            )
+        except StructuredOutputError as e:
+            raise SamplingError(e.field, str(e)) from None
     return SamplingParams(
         temperature=m.temperature,
         top_p=m.top_p or 1.0,
@@ -73,6 +93,10 @@ def sampling_from_proto(m: cpb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs or m.top_logprobs > 0,
         top_logprobs=m.top_logprobs,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        allowed_token_ids=tuple(m.allowed_token_ids) or None,
+        structured=structured,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
     )
 
 

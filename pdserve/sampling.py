@@ -10,8 +10,13 @@ Per step, for logits ``[num_seqs, vocab]``, each row goes through, in order:
    ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
 4. ``min_tokens``: EOS and ``stop_token_ids`` masked to -inf until that many tokens were
    generated (``ignore_eos`` masks nothing; the engine stops on EOS unless it is set);
-5. greedy rows (temperature 0, or top_k 1): argmax, done;
-6. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
+5. ``logit_bias`` added (OpenAI), tokens outside ``allowed_token_ids`` masked (vLLM), and the
+   structured-output grammar's token bitmask applied (tokens the grammar forbids masked). The
+   grammar wins over ``min_tokens``: if the two leave nothing, the grammar's tokens are kept;
+   a grammar state that errored allows only EOS, so the sequence ends instead of running on
+   (:mod:`pdserve.sampling_masks`);
+6. greedy rows (temperature 0, or top_k 1): argmax, done;
+7. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
    2019: the smallest set of most likely tokens whose probability reaches top_p), min-p (Nguyen
    et al. 2024: drop tokens whose probability is below min_p times the top token's), in the order
    transformers applies them; then sample from the softmax.
@@ -22,6 +27,9 @@ probability ``p_i``) and needs no per-row multinomial call. The noise of a seede
 its own ``torch.Generator`` seeded by a hash of (seed, position = len(output_token_ids)) and is
 drawn on the CPU, so its tokens depend neither on batch companions nor on which worker (or device)
 ran the step; unseeded rows share one sampler-wide generator on the logits' device.
+
+NOTE: after sampling, ``__call__`` advances each row's grammar matcher over the sampled token, so
+every caller (prefill token 1, decode steps, offline) keeps grammar state the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from itertools import chain
 import torch
 
 from pdserve.engine.batch import ScheduledSeq
+from pdserve.sampling_masks import apply_bias_and_allowed, apply_grammar
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
@@ -49,13 +59,16 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 
 def _modifies_logits(s: ScheduledSeq) -> bool:
-    """Whether a penalty or the min_tokens mask changes this row's logits this step."""
+    """Whether a penalty, a mask or a bias changes this row's logits this step."""
     p = s.sampling
     return (
         p.repetition_penalty != 1.0
         or p.frequency_penalty != 0
         or p.presence_penalty != 0
         or len(s.output_token_ids) < p.min_tokens
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+        or s.grammar is not None
     )
 
 
@@ -127,11 +140,25 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def check(self, params: SamplingParams) -> None:
-        """Reject params that only make sense against this vocabulary. Raises SamplingError."""
+        """Reject params that only make sense against this vocabulary. Raises SamplingError
+        naming the field (and, for ``logit_bias``, the key)."""
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise SamplingError(
                 "stop_token_ids", f"'stop_token_ids' {bad} outside [0, {self.vocab_size})"
+            )
+        for t, _ in params.logit_bias:
+            if not 0 <= t < self.vocab_size:
+                raise SamplingError(
+                    "logit_bias",
+                    f"'logit_bias' key '{t}' is not a token id of this model's vocabulary "
+                    f"[0, {self.vocab_size})",
+                )
+        bad = [i for i in params.allowed_token_ids or () if not 0 <= i < self.vocab_size]
+        if bad:
+            raise SamplingError(
+                "allowed_token_ids",
+                f"'allowed_token_ids' {bad[:8]} outside the vocabulary [0, {self.vocab_size})",
             )
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
@@ -165,7 +192,14 @@ class Sampler:
             noise = self._noise(s_seqs, probs.shape[1], probs.device)  # [rows, vocab], Exp(1)
             tokens[s_rows] = row_argmax(probs / noise)
 
-        return self._results(tokens, raw_logprobs, lp_rows, params)
+        out = self._results(tokens, raw_logprobs, lp_rows, params)
+        for s, t in zip(seqs, out, strict=True):
+            if s.grammar is not None and not s.grammar.error:
+                try:
+                    s.grammar.advance([t.token_id])
+                except StructuredOutputError:
+                    pass  # the matcher is now in its error state: the next step allows only EOS
+        return out
 
     def processed_logits(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32,
@@ -206,6 +240,8 @@ class Sampler:
         x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
+        apply_bias_and_allowed(x, seqs, self.vocab_size, self.check)
+        apply_grammar(x, logits, seqs, self.vocab_size, self.eos_token_ids)
         return x
 
     # -- penalties ---------------------------------------------------------------------------

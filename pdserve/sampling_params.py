@@ -3,8 +3,9 @@
 Ranges follow the OpenAI API reference and vLLM's SamplingParams: temperature in [0, 2] (0 =
 greedy; OpenAI's documented range), top_p in (0, 1], top_k 0/-1 = off, min_p in [0, 1],
 presence/frequency penalties in [-2, 2], repetition_penalty > 0 (1 = off), top_logprobs in
-[0, 20], min_tokens <= max_tokens; at most 64 stop strings of at most 1024 characters and 1024
-stop token ids. Every float must be finite (JSON's bare ``NaN``/``Infinity``
+[0, 20], min_tokens <= max_tokens, logit_bias values in [-100, 100] (OpenAI), prompt_logprobs in
+[0, 20] (vLLM's extension; None = off); at most 64 stop strings of at most 1024 characters and
+1024 stop token ids. Every float must be finite (JSON's bare ``NaN``/``Infinity``
 literals parse, so the edge must refuse them). Integer counts and token ids travel as protobuf
 ``int32`` (worker.proto), so they must fit in [0, 2^31); seeds travel as ``uint64`` and are kept in
 [0, 2^63). Token ids are checked against the vocabulary by the router, which knows it.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from pdserve.structured.spec import StructuredOutputSpec
 
 
 class SamplingError(ValueError):
@@ -33,6 +36,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI API reference: temperature is between 0 and 2
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024  # checked by the router before it adds the model's EOS ids
+MAX_LOGIT_BIAS = 100.0  # OpenAI API reference: logit_bias values are between -100 and 100
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,14 @@ class SamplingParams:
     ``max_tokens`` counts every output token (token 1 included); ``None`` = up to the model limit
     (the router resolves it before a worker sees the request). ``stop`` strings are matched in text
     by the router; workers only see ``stop_token_ids``.
+
+    ``logit_bias``: (token id, bias) pairs added to the logits before sampling (OpenAI's
+    ``logit_bias``; +100 all but forces a token, -100 all but bans it). ``allowed_token_ids``:
+    when set, every other token is masked (vLLM's extension). ``structured``: the output must
+    match this spec (JSON schema, regex, choice, grammar). ``prompt_logprobs``: when set, the
+    prefill also reports the log-probability of every prompt token after the first and this many
+    top alternatives (vLLM's extension). Reported logprobs are always the model's own
+    distribution, before any of these masks or biases.
     """
 
     temperature: float = 1.0
@@ -61,6 +73,10 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    structured: StructuredOutputSpec | None = None
+    prompt_logprobs: int | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +130,35 @@ class SamplingParams:
             bad("n", f"must be in [1, {MAX_INT32}], got {self.n}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
+        seen: set[int] = set()
+        for t, b in self.logit_bias:
+            if not 0 <= t <= MAX_INT32:
+                bad("logit_bias", f"key '{t}' is not a token id in [0, {MAX_INT32}]")
+            if t in seen:
+                bad("logit_bias", f"key '{t}' is given twice")
+            seen.add(t)
+            if (
+                isinstance(b, bool)
+                or not isinstance(b, (int, float))
+                or not math.isfinite(b)
+                or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+            ):
+                bad(
+                    "logit_bias",
+                    f"value for key '{t}' must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {b!r}",
+                )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must hold at least one token id when given")
+            for t in self.allowed_token_ids:
+                if not 0 <= t <= MAX_INT32:
+                    bad("allowed_token_ids", f"must hold token ids in [0, {MAX_INT32}], got {t}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            bad(
+                "prompt_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+            )
 
     @property
     def greedy(self) -> bool:

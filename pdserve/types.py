@@ -43,3 +43,15 @@ class TransferRecord:
     outcome: TransferOutcome  # ok | dropped | failed | timeout
     path: str = "transferred"  # 'transferred' over a channel | 'local' (unified mode)
     error: str = ""  # why it failed or was dropped ('' when ok)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens (vLLM's ``prompt_logprobs``).
+
+    ``tokens[j]`` is prompt token ``start + j`` with its log-probability given the tokens before
+    it and its ``top_logprobs`` alternatives. Prompt token 0 has no logprob, so ``start >= 1``.
+    """
+
+    start: int
+    tokens: tuple[SampledToken, ...]

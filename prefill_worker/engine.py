@@ -1,7 +1,7 @@
 """PrefillEngine: the prefill worker's core, plain Python (no Ray, no gRPC).
 
 One step = schedule prompt chunks (``PrefillScheduler``), run them as one forward
-(``ModelRunner.execute``: KV written into the paged pool, token 1 sampled for finished prompts),
+(``ModelRunner.run``: KV written into the paged pool, token 1 sampled for finished prompts),
 register newly full blocks in the prefix cache, and start the KV hand-off of every finished
 prompt (gather its blocks into ``[layers, 2, tokens, kv_heads, head_dim]``, ``KVSender.send``).
 When a send completes the request's blocks are freed; they stay in the pool as evictable prefix
@@ -23,7 +23,7 @@ import logging
 import queue
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
@@ -33,12 +33,15 @@ from pdserve.engine.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
+    INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
     EngineError,
 )
 from pdserve.engine.faults import FaultInjector, FaultPhase
 from pdserve.engine.worker_engine import WorkerEngine
+from pdserve.structured.grammar import resume_matcher
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillResult, PrefillState
 from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
@@ -77,6 +80,7 @@ class _Pending:
     future: Future[PrefillResult]
     token: SampledToken | None = None
     sampled_at: float = 0.0  # time.monotonic() seconds
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
     send_started: float = 0.0
 
 
@@ -165,6 +169,12 @@ class PrefillEngine(WorkerEngine):
             )
         if request.target is not None and self.sender is None:
             raise EngineError(UNAVAILABLE, f"{self.name} has no KV sender configured")
+        try:  # the state token 1 is sampled under (advanced over a re-prefill's earlier output)
+            grammar = resume_matcher(self.config.load.model, self.runner.model_config,
+                                     request.sampling.structured, request.prompt_token_ids,
+                                     request.num_output_tokens)  # fmt: skip
+        except StructuredOutputError as e:
+            raise EngineError(INVALID_ARGUMENT, str(e)) from None
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
@@ -172,7 +182,7 @@ class PrefillEngine(WorkerEngine):
                 raise EngineError(
                     ALREADY_EXISTS, f"request {request.request_id!r} is already being prefilled"
                 )
-            seq = PrefillSeq(request)
+            seq = PrefillSeq(request, grammar=grammar)
             self.scheduler.add(seq)
             self._pending[request.request_id] = _Pending(seq, fut)
         self.wake()
@@ -220,10 +230,13 @@ class PrefillEngine(WorkerEngine):
             return 0
         t0 = time.perf_counter()
         try:
-            tokens = self.runner.execute(output.scheduled)
+            out = self.runner.run(output.scheduled)
             now = time.monotonic()
             with self._lock:
-                finished = self.scheduler.update_from_output(output, tokens)
+                for rid, lps in out.prompt_logprobs.items():
+                    if rid in self._pending:
+                        self._pending[rid].prompt_logprobs.extend(lps.tokens)
+                finished = self.scheduler.update_from_output(output, out.tokens)
                 self._record_step(
                     time.perf_counter() - t0, output.num_scheduled_tokens, len(output.seqs)
                 )
@@ -307,6 +320,7 @@ class PrefillEngine(WorkerEngine):
             compute_ms=(p.sampled_at - seq.first_scheduled) * 1e3,
             transfer_ms=(end - p.send_started) * 1e3 if record is not None else 0.0,
             transfer=record,
+            prompt_logprobs=tuple(p.prompt_logprobs),
         )
         del self._pending[seq.request_id]
         self.scheduler.finish(seq.request_id)

@@ -69,3 +69,4 @@ class PrefillResult:
     compute_ms: float
     transfer_ms: float
     transfer: TransferRecord | None  # the KV transfer's record; None without a target
+    prompt_logprobs: tuple[SampledToken, ...] = ()  # prompt tokens 1..n-1, when asked

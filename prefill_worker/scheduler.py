@@ -211,7 +211,13 @@ class PrefillScheduler:
         return out
 
     def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
-        """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted."""
+        """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted.
+
+        NOTE: a request asking for prompt logprobs skips the cache (every prompt token must be
+        computed to get its logprob); its blocks are still cached for later requests.
+        """
+        if seq.request.sampling.prompt_logprobs is not None:
+            return [], 0
         return self.kv.get_computed_blocks(seq.token_ids, record_stats=False)
 
     def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:

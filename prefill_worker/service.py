@@ -67,6 +67,7 @@ def result_to_proto(r: PrefillResult) -> pb.PrefillResponse:
     resp = pb.PrefillResponse(
         request_id=r.request_id,
         token=rpc.token_to_proto(r.token),
+        prompt_logprobs=[rpc.token_to_proto(t) for t in r.prompt_logprobs],
         cached_tokens=r.cached_tokens,
         queue_ms=r.queue_ms,
         compute_ms=r.compute_ms,

@@ -39,8 +39,9 @@ from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from router.chat_tools import ToolSetup
 from router.errors import BadRequest, ModelNotFound, RouterError
-from router.openai_protocol import CHAT_ROLES
+from router.grpc_chat import ChatInputs, chat_inputs
 from router.readiness import is_ready
 from router.serving import Router
 
@@ -55,26 +56,25 @@ class GenerationService(gpb_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def _prompt(self, request: gpb.GenerateRequest) -> list[int]:
+    async def _prompt(
+        self, request: gpb.GenerateRequest, chat: ChatInputs | None = None
+    ) -> list[int]:
         """Token ids of the request's input, prepared off the event loop (router.prompts)."""
         kind = request.WhichOneof("input")
         if kind == "text":
             return await self.router.prompts.text(request.text, param="text")
         if kind == "chat":
-            for i, m in enumerate(request.chat.messages):
-                if m.role not in CHAT_ROLES:
-                    raise BadRequest(
-                        f"chat.messages[{i}].role is {m.role!r}; it must be one of "
-                        f"{', '.join(CHAT_ROLES)}",
-                        param=f"chat.messages.{i}.role",
-                    )
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return await self.router.prompts.chat(messages, param="chat")
+            assert chat is not None
+            return await self.router.prompts.chat(
+                chat.messages, param="chat", control_prefix="chat.", **chat.controls
+            )
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise BadRequest("one of 'text', 'chat' or 'token_ids' must be set", param="input")
 
-    def _sampling(self, request: gpb.GenerateRequest) -> SamplingParams:
+    def _sampling(
+        self, request: gpb.GenerateRequest, tools: ToolSetup | None = None
+    ) -> SamplingParams:
         wire = cpb.SamplingParams()
         wire.CopyFrom(request.sampling)
         rest_of_context = wire.max_tokens == 0
@@ -82,8 +82,16 @@ class GenerationService(gpb_grpc.GenerationServicer):
             wire.max_tokens = 1  # placeholder so validation passes; replaced by None below
         try:
             params = rpc.sampling_from_proto(wire)
+            tool_spec = tools.spec() if tools else None
+            if tool_spec is not None and params.structured is not None:
+                raise BadRequest(
+                    "'sampling.structured' cannot be combined with a tool_choice that forces a "
+                    "call",
+                    param="sampling.structured",
+                )
             return dataclasses.replace(
                 params,
+                structured=params.structured or tool_spec,
                 max_tokens=None if rest_of_context else params.max_tokens,
                 stop=tuple(request.stop),
                 skip_special_tokens=request.skip_special_tokens,
@@ -104,31 +112,50 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 )
             if any(not s for s in request.stop):
                 raise BadRequest("'stop' strings must be non-empty", param="stop")
-            prompt = await self._prompt(request)
+            chat = None
+            if request.WhichOneof("input") == "chat":
+                chat = chat_inputs(request.chat, self.router.tool_parser)
+            sampling = self._sampling(request, chat.tools if chat else None)
+            prompt = await self._prompt(request, chat)
+            if sampling.structured is not None:
+                await self.router.prompts.check_structured(sampling.structured)
             field = request.WhichOneof("input") or "input"  # errors name the prompt's field
-            stream = self.router.submit(rid, prompt, self._sampling(request), prompt_param=field)
+            stream = self.router.submit(rid, prompt, sampling, prompt_param=field)
         except RouterError as e:
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
             return
         text: list[str] = []
         reason = "stop"
+        prompt_lps_sent = sampling.prompt_logprobs is None
         try:
             async for d in stream:
                 text.append(d.text)
                 if d.finish_reason is not None:
                     reason = d.finish_reason
-                    if not d.text and not d.tokens:
+                    if not d.text and not d.tokens and prompt_lps_sent:
                         continue
-                yield gpb.GenerateResponse(
-                    request_id=rid,
-                    chunk=gpb.Chunk(text=d.text, tokens=[rpc.token_to_proto(t) for t in d.tokens]),
-                )
+                chunk = gpb.Chunk(text=d.text, tokens=[rpc.token_to_proto(t) for t in d.tokens])
+                if not prompt_lps_sent:  # they arrive with token 1
+                    prompt_lps_sent = True
+                    lps = stream.prompt_logprobs or ()
+                    chunk.prompt_logprobs.extend(rpc.token_to_proto(t) for t in lps)
+                yield gpb.GenerateResponse(request_id=rid, chunk=chunk)
+            full = "".join(text)
+            calls: list[gpb.ToolCall] = []
+            if chat is not None and chat.tools is not None:
+                parsed = chat.tools.split(full)
+                full = parsed.content or ""
+                calls = [gpb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                         for c in parsed.tool_calls]  # fmt: skip
+                if calls and reason == "stop":
+                    reason = "tool_calls"
             yield gpb.GenerateResponse(
                 request_id=rid,
                 complete=gpb.Complete(
                     finish_reason=reason,
-                    text="".join(text),
+                    text=full,
+                    tool_calls=calls,
                     usage=gpb.Usage(
                         prompt_tokens=len(stream.prompt_token_ids),
                         completion_tokens=stream.completion_tokens,

@@ -132,6 +132,8 @@ class RequestLifecycle:
         self.num_prefill_failures = 0
         self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
         self.first_token_time: float | None = None
+        # prompt tokens 1..n-1 with their logprobs, once a worker reported them (when asked)
+        self.prompt_logprobs: tuple[SampledToken, ...] | None = None
         self._attempts = 0
         self._attempt: DecodeAttempt | None = None
         self._prefill_holder: tuple[WorkerState, str] | None = None
@@ -408,6 +410,7 @@ class RequestLifecycle:
         metrics.observe_prefill(resp.queue_ms, resp.compute_ms, resp.transfer_ms)
         if not self.output:
             self.cached_tokens = resp.cached_tokens
+        self._got_prompt_logprobs(resp.prompt_logprobs)
         kv_sent = resp.transfer.outcome in ("", "ok")
         if not kv_sent:
             log.warning(
@@ -454,6 +457,13 @@ class RequestLifecycle:
                 f"request re-placed {total} times (limit {self.config.max_replacements}); giving up"
             )
 
+    def _got_prompt_logprobs(self, wire: Sequence[pb.TokenLogprob]) -> None:
+        """Keep the first prompt logprobs a worker reports; later placements do not ask again."""
+        if self.sampling.prompt_logprobs is None or self.prompt_logprobs is not None:
+            return
+        self.prompt_logprobs = tuple(rpc.token_from_proto(t) for t in wire)
+        self._sampling_pb.ClearField("prompt_logprobs")
+
     # -- decode stream ---------------------------------------------------------------------------
 
     async def _follow(self, attempt: DecodeAttempt) -> AsyncGenerator[SampledToken, None]:
@@ -474,7 +484,8 @@ class RequestLifecycle:
             kind = event.WhichOneof("event")
             if kind == "tokens":
                 if self.state is S.PREFILLING:
-                    self._set(S.DECODING)
+                    self._set(S.DECODING)  # a local prefill: its logprobs ride here
+                    self._got_prompt_logprobs(event.tokens.prompt_logprobs)
                 for tok in self._take([rpc.token_from_proto(t) for t in event.tokens.tokens]):
                     yield tok
                 if self.state in TERMINAL:

@@ -1,11 +1,14 @@
 """OpenAI-compatible request and response models (pydantic), as in the OpenAI API reference.
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); fields
-OpenAI defines but pdserve cannot honour (``tools``, ``logit_bias``, non-text content, ...) are
-refused with a 400 naming the field rather than silently ignored. Unknown fields are ignored, as
-vLLM does. Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``) are accepted with the same names and meanings.
+OpenAI defines but pdserve cannot honour (``suffix``, non-text content, ...) are refused with a
+400 naming the field rather than silently ignored. Unknown fields are ignored, as vLLM does.
+Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``allowed_token_ids``, ``prompt_logprobs``, ``structured_outputs`` and the ``guided_*`` fields)
+are accepted with the same names and meanings; so are vLLM's chat-template controls
+(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``, ``documents``,
+``echo``). Structured output: :mod:`router.structured_request`; tools: :mod:`router.chat_tools`.
 
 Responses are built as plain dicts by :mod:`router.http.responses` (one per streamed token: no
 pydantic round trip on the hot path); their shapes are documented there.
@@ -18,7 +21,9 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.structured.spec import StructuredOutputSpec
 from router.errors import BadRequest
+from router.structured_request import logit_bias_pairs, structured_spec
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -49,6 +54,8 @@ class ChatMessage(BaseModel):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self, index: int) -> str:
         """The message text; raises BadRequest naming ``messages[index]`` for non-text parts."""
@@ -94,15 +101,38 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    # structured output (OpenAI's response_format; vLLM's structured_outputs and guided_*)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured(self, extra: StructuredOutputSpec | None = None) -> StructuredOutputSpec | None:
+        """The request's output constraint (``extra``: one from tool_choice). Raises BadRequest."""
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        spec = structured_spec(self.response_format, self.structured_outputs, guided)
+        if spec is not None and extra is not None:
+            raise BadRequest(
+                f"'{spec.field}' cannot be combined with a 'tool_choice' that forces a call",
+                param=spec.field,
+            )
+        return spec or extra
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise BadRequest("'logit_bias' is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise BadRequest(
                 "'stream_options' is only allowed with 'stream': true", param="stream_options"
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < (0 if self._echo_only_ok else 1):
             raise BadRequest(
                 f"'max_tokens' must be >= 1, got {self.max_tokens}", param="max_tokens"
             )
@@ -118,8 +148,18 @@ class _Common(BaseModel):
                 raise BadRequest(f"'stop'[{i}] must be a non-empty string", param="stop")
         return tuple(stops)
 
+    @property
+    def _echo_only_ok(self) -> bool:
+        """Whether ``max_tokens: 0`` is allowed (completions with ``echo``: score the prompt)."""
+        return False
+
     def _sampling(
-        self, max_tokens: int | None, logprobs: bool, top_logprobs: int
+        self,
+        max_tokens: int | None,
+        logprobs: bool,
+        top_logprobs: int,
+        structured: StructuredOutputSpec | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build SamplingParams; SamplingError (a ValueError naming ``field``) on a bad range."""
         return SamplingParams(
@@ -140,6 +180,12 @@ class _Common(BaseModel):
             top_logprobs=top_logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=logit_bias_pairs(self.logit_bias),
+            allowed_token_ids=(
+                tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+            ),
+            structured=structured,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
@@ -156,19 +202,19 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template controls
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    echo: bool = False
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Sampling settings. Raises BadRequest / SamplingError naming the field."""
+    def to_sampling_params(self, tool_spec: StructuredOutputSpec | None = None) -> SamplingParams:
+        """Sampling settings; ``tool_spec``: the constraint a forcing ``tool_choice`` needs.
+        Raises BadRequest / SamplingError naming the field."""
         self._check_common()
-        if self.tools:
-            raise BadRequest("'tools' (function calling) is not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise BadRequest("'tool_choice' is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest(
-                "only 'response_format': {'type': 'text'} is supported", param="response_format"
-            )
+        structured = self._structured(tool_spec)
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         top = self.top_logprobs or 0
@@ -183,11 +229,29 @@ class ChatCompletionRequest(_Common):
             max_tokens, param = self.max_tokens, "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"'{param}' must be >= 1, got {max_tokens}", param=param)
-        return self._sampling(max_tokens, self.logprobs, top)
+        return self._sampling(max_tokens, self.logprobs, top, structured, self.prompt_logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as plain {'role', 'content'} dicts for the chat template."""
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template: 'role', 'content', and 'name',
+        'tool_calls', 'tool_call_id' where given."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:  # content stays "" when absent: templates concatenate it
+                msg["tool_calls"] = m.tool_calls
+            for key in ("name", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            out.append(msg)
+        return out
+
+    def template_controls(self) -> dict[str, Any]:
+        """Keyword arguments for ``Tokenizer.render_chat`` beyond the messages and tools."""
+        return {
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -202,9 +266,21 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def _echo_only_ok(self) -> bool:
+        return self.echo
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: return the prompt (and its logprobs), generate
+        nothing. Workers still sample one token, which the gateway drops."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        """Sampling settings. Raises BadRequest / SamplingError naming the field."""
+        """Sampling settings. ``echo`` with ``logprobs`` asks for prompt logprobs with that
+        many alternatives. Raises BadRequest / SamplingError naming the field."""
         self._check_common()
+        structured = self._structured()
         if self.suffix:
             raise BadRequest("'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -214,12 +290,11 @@ class CompletionRequest(_Common):
             raise BadRequest(
                 f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="logprobs"
             )
+        prompt_top = self.prompt_logprobs
         if self.echo and top is not None:
-            raise BadRequest(
-                "'echo' with 'logprobs' needs prompt logprobs, which pdserve does not compute",
-                param="echo",
-            )
-        return self._sampling(self.max_tokens, top is not None, top or 0)
+            prompt_top = max(top, prompt_top or 0)
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling(max_tokens, top is not None, top or 0, structured, prompt_top)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as texts or token-id lists. Raises BadRequest for an empty prompt list."""

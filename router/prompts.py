@@ -1,9 +1,11 @@
 """Prompt preparation for both gateways: text and chat conversations to token ids, off the loop.
 
 The HTTP and gRPC gateways both turn a request's prompt into token ids here (tokenize, chat
-template, and, for echo, token ids back to text). The work runs on one dedicated thread: it takes
-milliseconds per prompt but seconds for a multi-MB one, which must never stall the event loop
-(health checks, other streams).
+template with its controls and tools, and, for echo, token ids back to text) and check
+structured-output specs against the tokenizer (a grammar compile). The work runs on one dedicated
+thread: it takes milliseconds per prompt but seconds for a multi-MB one (and about a second for
+the first structured request, which wraps the tokenizer for the grammar engine), which must never
+stall the event loop (health checks, other streams).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pdserve.structured.grammar import GrammarCompiler
+from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.tokenizer import Tokenizer, TokenizerError
 from router.errors import BadRequest
 
@@ -39,41 +43,102 @@ def check_text(text: str, param: str) -> None:
 class PromptPreparer:
     """Tokenizes prompts for the gateways on one thread of its own.
 
+    ``chat_template``: a Jinja template used instead of the model's (``--chat-template``).
+
     NOTE: one thread, so the (Rust) tokenizer is never used by two preparations at once.
     Errors are BadRequest naming the request field (``param``) the prompt came from.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._grammar: GrammarCompiler | None = None  # built on the first structured request
 
-    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
-    async def text(self, text: str, param: str) -> list[int]:
+    async def text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain-text prompt (no chat template)."""
         check_text(text, param)
         try:
-            return await self._run(self.tokenizer.encode, text)
+            return await self._run(self.tokenizer.encode, text, add_special_tokens)
         except TokenizerError as e:
             raise BadRequest(str(e), param=param) from None
 
-    async def chat(self, messages: Sequence[Mapping[str, str]], param: str) -> list[int]:
-        """Token ids of a conversation (``{'role', 'content'}`` dicts, oldest first) with the
-        model's chat template applied and the assistant turn opened."""
-        for m in messages:
-            check_text(m["content"], param)
-        conversation = [dict(m) for m in messages]
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        param: str,
+        control_prefix: str = "",
+        **controls: Any,
+    ) -> str:
+        """The prompt text the chat template makes of a conversation (``{'role', 'content', ...}``
+        dicts, oldest first). ``controls``: keyword arguments of ``Tokenizer.render_chat``
+        (``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents``,
+        ``chat_template_kwargs``); the configured template override is added. A template error
+        names ``param``, or ``control_prefix`` + the control at fault."""
+        return await self._template(
+            self.tokenizer.render_chat, messages, param, control_prefix, controls
+        )
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        param: str,
+        control_prefix: str = "",
+        **controls: Any,
+    ) -> list[int]:
+        """Token ids of a conversation with the chat template applied (by default with the
+        assistant turn opened); arguments as :meth:`render_chat`."""
+        return await self._template(
+            self.tokenizer.apply_chat_template, messages, param, control_prefix, controls
+        )
+
+    async def _template(
+        self,
+        fn: Callable[..., _T],
+        messages: Sequence[Mapping[str, Any]],
+        param: str,
+        control_prefix: str,
+        controls: Mapping[str, Any],
+    ) -> _T:
+        conversation = self._conversation(messages, param)
         try:
-            return await self._run(self.tokenizer.apply_chat_template, conversation)
+            return await self._run(fn, conversation, chat_template=self.chat_template, **controls)
         except TokenizerError as e:
-            raise BadRequest(str(e), param=param) from None
+            raise BadRequest(str(e), param=_param(e, param, control_prefix)) from None
 
-    async def decode(self, token_ids: Sequence[int]) -> str:
+    @staticmethod
+    def _conversation(messages: Sequence[Mapping[str, Any]], param: str) -> list[dict[str, Any]]:
+        for m in messages:
+            check_text(m.get("content") or "", param)  # None: an assistant turn of tool calls
+        return [dict(m) for m in messages]
+
+    async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (for echo); the ids must already be checked against the vocab."""
-        return await self._run(self.tokenizer.decode, list(token_ids))
+        return await self._run(self.tokenizer.decode, list(token_ids), skip_special_tokens)
+
+    async def check_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
+        cannot compile is a 400 naming its field before any worker sees it. Raises BadRequest."""
+        try:
+            await self._run(self._compile, spec)
+        except StructuredOutputError as e:
+            raise BadRequest(str(e), param=e.field) from None
+
+    def _compile(self, spec: StructuredOutputSpec) -> None:
+        if self._grammar is None:  # only ever built on the one thread
+            tok = self.tokenizer
+            self._grammar = GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
+        self._grammar.compile(spec)
 
     def close(self) -> None:
         """Stop the thread once queued work is done."""
         self._thread.shutdown(wait=False)
+
+
+def _param(error: TokenizerError, param: str, control_prefix: str) -> str:
+    """The request field a template error names: the control at fault, else the messages."""
+    return control_prefix + error.param if error.param else param

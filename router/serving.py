@@ -15,6 +15,10 @@ stop token id is not included in the output.
 
 Seeds: with ``n`` > 1 and a seed, sequence *i* samples with ``seed + i`` so the sequences differ
 yet the request stays reproducible.
+
+The file runs just past 450 lines: the stream, its per-sequence text production and the Router's
+checks share the request's state and are read together; prompt preparation (router/prompts.py)
+and tool-call parsing (router/tool_parsers.py) already live apart.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from router.readiness import check_ready
 from router.request_id import current_request_id
 from router.request_log import RequestLog
 from router.serving_stats import ServingStats
+from router.tool_parsers import select_parser
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,8 @@ class RouterConfig:
     ``max_sequences``: sequences per request over all its prompts (prompts x ``n``).
     ``lifecycle``: placement/retry knobs (``block_size`` must match the workers').
     ``log_prompts``: log prompt and output texts (``--log-prompts``; router/prompt_log.py).
+    ``chat_template``: a Jinja chat template used instead of the model's (``--chat-template``).
+    ``tool_call_parser``: 'hermes' | 'json' | None (chosen from the chat template).
     """
 
     model_name: str
@@ -69,6 +76,8 @@ class RouterConfig:
     max_sequences: int = 64
     log_prompts: bool = False
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -143,6 +152,15 @@ class RequestStream:
     @property
     def cached_tokens(self) -> int:
         return max((lc.cached_tokens for lc in self.lifecycles), default=0)
+
+    @property
+    def prompt_logprobs(self) -> tuple[SampledToken, ...] | None:
+        """Prompt tokens 1..n-1 with logprobs (when ``sampling.prompt_logprobs`` is set), known
+        once the first token of a sequence arrived; None before or when not asked."""
+        for lc in self.lifecycles:
+            if lc.prompt_logprobs is not None:
+                return lc.prompt_logprobs
+        return None
 
     @property
     def done(self) -> bool:
@@ -349,8 +367,13 @@ class Router:
         self.pool = pool
         self.prefill_policy = prefill_policy or PrefillPolicy()
         self.admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens)
-        self.prompts = PromptPreparer(tokenizer)  # both gateways tokenize through it
         self.prompt_log = PromptLog(tokenizer, config.log_prompts)  # off: no user text in logs
+        # both gateways tokenize (and check structured-output specs) through it
+        self.prompts = PromptPreparer(tokenizer, config.chat_template)
+        # how tool calls are read from chat output (both gateways)
+        self.tool_parser = select_parser(
+            config.tool_call_parser, config.chat_template or tokenizer.hf.chat_template
+        )
         self.stats = ServingStats()  # the operators' view (/v1/cluster/status)
         self.requests = RequestLog()  # per-request records (/v1/requests/{id})
 
@@ -387,6 +410,8 @@ class Router:
                 param="stop_token_ids",
             )
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
+        self.check_token_ids(sampling.allowed_token_ids or (), "allowed_token_ids")
         if sampling.n > self.config.max_n:
             raise BadRequest(f"'n' must be <= {self.config.max_n}, got {sampling.n}", param="n")
         max_tokens = resolve_max_tokens(

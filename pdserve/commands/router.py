@@ -49,7 +49,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     """Follow the cluster and serve until Ctrl-C/SIGTERM; returns the exit code."""
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
-    from pdserve.tokenizer import load_tokenizer
+    from pdserve.tokenizer import load_chat_template, load_tokenizer
     from router.background import drain_background
     from router.cluster import RegistryFollower
     from router.lifecycle import LifecycleConfig
@@ -74,6 +74,8 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
             request_timeout_s=args.request_timeout,
             log_prompts=args.log_prompts,
             lifecycle=LifecycleConfig(block_size=block_size, unified=args.mode == "unified"),
+            chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+            tool_call_parser=args.tool_call_parser,
         ),
         tokenizer,
         pool,

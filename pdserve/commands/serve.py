@@ -121,6 +121,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     from pdserve.attention.selector import select_attention_backend
     from pdserve.model.loader import load_model_config
     from pdserve.model.resolve import resolve_model
+    from pdserve.tokenizer import load_chat_template
 
     load = LoadConfig(
         model=args.model,
@@ -175,6 +176,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         request_timeout_s=args.request_timeout,
         max_concurrent_streams=args.max_concurrent_streams,
         log_prompts=args.log_prompts,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+        tool_call_parser=args.tool_call_parser,
     )
     name = args.served_model_name or resolve_model(args.model).name
     return ServePlan(
@@ -286,6 +289,8 @@ async def serve_async(
             lifecycle=LifecycleConfig(
                 block_size=s.engine.cache.block_size, unified=s.mode == "unified"
             ),
+            chat_template=s.chat_template,
+            tool_call_parser=s.tool_call_parser,
         ),
         tokenizer,
         pool,

@@ -81,6 +81,18 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         help="seconds before a request is aborted",
     )
     g.add_argument(
+        "--chat-template",
+        default=ServeConfig.chat_template,
+        help="chat template (a Jinja file, or the template itself) used instead of the model's",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=ServeConfig.tool_call_parser,
+        choices=["auto", "hermes", "json"],
+        help="how tool calls are read from chat output (default: hermes when the chat template "
+        "uses <tool_call>, else json)",
+    )
+    g.add_argument(
         "--log-level",
         default=None,
         choices=["debug", "info", "warning", "error"],

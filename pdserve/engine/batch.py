@@ -10,9 +10,12 @@ slot mapping, and samples where asked; the scheduler then takes the sampled toke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
 
 S = TypeVar("S")
 
@@ -27,7 +30,9 @@ class ScheduledSeq:
     ``block_table``: physical block ids covering at least ``num_computed + len(token_ids)`` tokens.
     ``sample``: sample a token after the last one (False for a non-final prefill chunk).
     ``output_token_ids``: tokens generated so far (for penalties and the seeded generator's
-    position); ``prompt_token_ids``: the prompt (for repetition penalty).
+    position); ``prompt_token_ids``: the prompt (for repetition penalty and prompt logprobs).
+    ``grammar``: the sequence's structured-output state when ``sampling.structured`` is set; the
+    Sampler masks by it and advances it over the token it samples.
     """
 
     request_id: str
@@ -38,6 +43,7 @@ class ScheduledSeq:
     sampling: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens_after(self) -> int:

@@ -6,11 +6,18 @@ attention backend build the step's metadata (positions, slot mapping and whateve
 reads), runs the model, which writes every new token's K/V into the KVPool by slot mapping,
 computes logits only for the last token of each sequence that samples, and hands them to the
 Sampler.
+
+Prompt logprobs (``sampling.prompt_logprobs`` set): for the rows of such a sequence's chunk, the
+runner also computes the log-probability of the next prompt token and the top-k alternatives, a
+slice of ``PROMPT_LOGPROB_ROWS`` rows at a time, so at most ``[PROMPT_LOGPROB_ROWS, vocab]`` logits
+exist at once, never the whole prompt's. Only computed rows get values: a token served from the
+prefix cache has none, so a scheduler must not use the cache for such a request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +27,23 @@ from pdserve.kv_cache.pool import KVPool
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
-from pdserve.types import SampledToken
+from pdserve.types import PromptLogprobs, SampledToken
+
+# Prompt rows whose full-vocabulary logits exist at once while computing prompt logprobs.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass
+class StepOutput:
+    """What one :meth:`ModelRunner.run` produced.
+
+    ``tokens``: one entry per scheduled sequence, a SampledToken where ``seq.sample`` else None.
+    ``prompt_logprobs``: request id -> the logprobs of the prompt tokens this step's chunk
+    predicts, for sequences that asked (absent when the chunk predicts no prompt token).
+    """
+
+    tokens: list[SampledToken | None]
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -87,6 +110,13 @@ class ModelRunner:
         token of every sequence with ``sample=True``, in batch order: [num_sampling, vocab] in the
         model dtype. Raises ValueError (named request) for an empty chunk, an out-of-vocab token,
         or a block table that is too short or out of range."""
+        return self._forward(batch)[0]
+
+    def _forward(
+        self, batch: Sequence[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sampling logits [num_sampling, vocab], hidden [num_tokens, hidden], query start
+        offsets [len(batch) + 1]) of one forward over ``batch``."""
         self._check(batch)
         ids = [t for seq in batch for t in seq.token_ids]
         meta = self.model.attn_backend.build_metadata(
@@ -104,15 +134,60 @@ class ModelRunner:
         )  # [num_tokens, hidden]
         last_rows = meta.query_start_loc[1:] - 1
         want = torch.tensor([s.sample for s in batch], dtype=torch.bool, device=self.device)
-        return self.model.compute_logits(hidden[last_rows[want]])
+        return self.model.compute_logits(hidden[last_rows[want]]), hidden, meta.query_start_loc
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken | None]:
         """One step: forward, KV written by slot mapping, then sampling. Returns one entry per
         sequence: a SampledToken if ``seq.sample`` else None. Raises ValueError like
         :meth:`compute_logits`."""
+        return self.run(batch).tokens
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> StepOutput:
+        """:meth:`execute`, plus the prompt logprobs of sequences whose sampling asks for them.
+        Raises ValueError like :meth:`compute_logits`."""
         if not batch:
-            return []
-        logits = self.compute_logits(batch)
+            return StepOutput([])
+        logits, hidden, starts = self._forward(batch)
+        prompt_lps: dict[str, PromptLogprobs] = {}
+        offsets = starts.tolist()
+        for i, seq in enumerate(batch):
+            if seq.sampling.prompt_logprobs is not None:
+                lp = self._prompt_logprobs(seq, hidden[offsets[i] : offsets[i + 1]])
+                if lp is not None:
+                    prompt_lps[seq.request_id] = lp
         sampling = [s for s in batch if s.sample]
         tokens = iter(self.sampler(logits, sampling) if sampling else [])
-        return [next(tokens) if s.sample else None for s in batch]
+        return StepOutput([next(tokens) if s.sample else None for s in batch], prompt_lps)
+
+    def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> PromptLogprobs | None:
+        """Logprobs of the prompt tokens that ``seq``'s chunk predicts. ``hidden``: the chunk's
+        hidden states [len(seq.token_ids), hidden]. Row r (position num_computed + r) predicts
+        prompt token num_computed + r + 1; rows past the prompt (re-prefilled output) predict
+        none. None when no row predicts a prompt token."""
+        prompt = seq.prompt_token_ids
+        k = seq.sampling.prompt_logprobs or 0
+        rows = min(len(seq.token_ids), len(prompt) - 1 - seq.num_computed)
+        if rows <= 0:
+            return None
+        start = seq.num_computed + 1
+        targets = torch.tensor(prompt[start : start + rows], device=hidden.device)
+        out: list[SampledToken] = []
+        for a in range(0, rows, PROMPT_LOGPROB_ROWS):
+            b = min(a + PROMPT_LOGPROB_ROWS, rows)
+            lg = self.model.compute_logits(hidden[a:b])[:, : self.sampler.vocab_size].float()
+            lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [rows, 1]
+            chosen = (lg.gather(1, targets[a:b, None]) - lse).squeeze(1).tolist()
+            tops: list[tuple[tuple[int, float], ...]] = [()] * (b - a)
+            if k:
+                vals, ids = lg.topk(k, dim=-1)
+                tops = [
+                    tuple(zip(r_ids, r_vals, strict=True))
+                    for r_ids, r_vals in zip(ids.tolist(), (vals - lse).tolist(), strict=True)
+                ]
+            tgt = targets[a:b].tolist()
+            out.extend(
+                SampledToken(token_id=t, logprob=c, top_logprobs=top)
+                for t, c, top in zip(tgt, chosen, tops, strict=True)
+            )
+        return PromptLogprobs(start=start, tokens=tuple(out))

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammar import GrammarMatcher
 
 R = TypeVar("R", bound=EngineRequest)
 
@@ -26,12 +29,16 @@ class EngineSeq(Generic[R]):
     generated here. ``prompt_token_ids`` / ``output_token_ids``: the same ids split into the
     original prompt and every output token (earlier attempts first). ``num_computed``: tokens
     whose KV is in the pool (prefix-cache hits included); ``num_cached``: tokens served from the
-    prefix cache at admission.
+    prefix cache at admission. ``grammar``: the structured-output state when the request has
+    ``sampling.structured``, already advanced over the earlier output in its prompt; the sampler
+    masks by it and advances it over each token it samples (the decode worker also advances it
+    over token 1 received from the prefill worker).
     """
 
     request: R
     num_computed: int = 0
     num_cached: int = 0
+    grammar: GrammarMatcher | None = None
     token_ids: list[int] = field(init=False)
     prompt_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False)
@@ -76,6 +83,7 @@ class EngineSeq(Generic[R]):
             sampling=self.request.sampling,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.output_token_ids,
+            grammar=self.grammar,
         )
 
     def append_token(

@@ -13,6 +13,7 @@ from pdserve.tokenizer.hf import (
     Tokenizer,
     TokenizerError,
     clear_tokenizer_cache,
+    load_chat_template,
     load_tokenizer,
 )
 from pdserve.tokenizer.stop import StopMatcher
@@ -24,5 +25,6 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "clear_tokenizer_cache",
+    "load_chat_template",
     "load_tokenizer",
 ]

@@ -45,7 +45,41 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 class TokenizerError(ValueError):
-    """A tokenizer cannot do what was asked (no chat template, malformed messages, ...)."""
+    """A tokenizer cannot do what was asked (no chat template, malformed messages, ...).
+
+    ``param``: the request field at fault when it is not the messages themselves (e.g.
+    ``continue_final_message``, ``chat_template_kwargs``); None means ``messages``.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Names the chat template receives from render_chat itself; chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+        "chat_template", "tokenize", "return_dict", "conversation",
+    }
+)  # fmt: skip
+
+
+def load_chat_template(value: str) -> str:
+    """The chat template named by ``--chat-template``: a file's text, or ``value`` itself when
+    it is an inline Jinja template (holds ``{{`` or ``{%``), as vLLM accepts.
+
+    Raises ConfigError when ``value`` is neither a readable file nor a template.
+    """
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read chat template {path}: {e}") from e
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 class Tokenizer:
@@ -92,36 +126,88 @@ class Tokenizer:
         return bool(self.hf.chat_template)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text the chat template makes of ``messages`` ([{'role', 'content'}, ...]).
 
-        Raises TokenizerError when the model has no chat template, a message is malformed, or the
-        template itself rejects the conversation (e.g. roles that do not alternate).
+        ``add_generation_prompt``: open the assistant's turn after the last message.
+        ``continue_final_message``: leave the last (assistant) message open, so the model
+        continues its text rather than starting a new turn (the template's end-of-turn markup
+        after it is cut, as transformers does). ``tools``: OpenAI-style tool definitions
+        ({'type': 'function', 'function': {...}}) for templates that render them; ``documents``:
+        retrieval documents for templates that take them; ``chat_template``: a template used
+        instead of the model's; ``chat_template_kwargs``: extra variables for the template.
+        An assistant message's ``tool_calls[].function.arguments`` given as a JSON string is
+        parsed to an object first (templates index into it).
+
+        Raises TokenizerError when the model has no chat template, a message is malformed, both
+        ``add_generation_prompt`` and ``continue_final_message`` are set or the last message is
+        not the assistant's with ``continue_final_message``, a ``chat_template_kwargs`` key is
+        reserved, or the template itself rejects the conversation (e.g. roles that do not
+        alternate); ``param`` names the field at fault.
         """
-        if not self.has_chat_template:
+        template = chat_template or None
+        if template is None and not self.has_chat_template:
             raise TokenizerError(
                 f"model {self.source} has no chat template; send a plain completion prompt instead"
             )
         msgs = _check_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TokenizerError(
+                    "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                    param="continue_final_message",
+                )
+            if msgs[-1]["role"] != "assistant":
+                raise TokenizerError(
+                    "'continue_final_message' needs the last message to be the assistant's, "
+                    f"got role {msgs[-1]['role']!r}",
+                    param="continue_final_message",
+                )
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())
+        if reserved:
+            raise TokenizerError(
+                f"'chat_template_kwargs' may not set {reserved}: they have their own fields",
+                param="chat_template_kwargs",
+            )
         try:
             text = self.hf.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+                msgs,
+                tools=[dict(t) for t in tools] if tools else None,
+                documents=[dict(d) for d in documents] if documents else None,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **extra,
             )
         except Exception as e:  # jinja2 errors, including the template's raise_exception()
             raise TokenizerError(f"chat template rejected the messages: {e}") from e
         return str(text)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **controls: Any,
     ) -> list[int]:
-        """Token ids of ``render_chat(messages)``.
+        """Token ids of ``render_chat(messages, add_generation_prompt, **controls)``.
 
         The template writes any BOS itself, so the text is encoded without special tokens (as
         transformers does). Raises TokenizerError as ``render_chat``.
         """
         return self.encode(
-            self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+            self.render_chat(messages, add_generation_prompt, **controls),
+            add_special_tokens=False,
         )
 
 
@@ -134,10 +220,27 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             raise TokenizerError(f"messages[{i}] must be an object, got {type(m).__name__}")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise TokenizerError(f"messages[{i}] needs a non-empty string 'role'")
-        if "content" not in m:
+        if "content" not in m and not m.get("tool_calls"):
             raise TokenizerError(f"messages[{i}] has no 'content'")
-        out.append(dict(m))
+        msg = dict(m)
+        if msg.get("tool_calls"):
+            msg["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
+        out.append(msg)
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A tool call as templates expect it: ``function.arguments`` an object, not JSON text."""
+    if not isinstance(call, Mapping):
+        return call
+    fn = call.get("function")
+    if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return dict(call)
+        return {**call, "function": {**fn, "arguments": args}}
+    return dict(call)
 
 
 def _unique_ids(ids: Sequence[Any]) -> tuple[int, ...]:

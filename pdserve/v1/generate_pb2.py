@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x42\x07\n\x05input\"?\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"Q\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xba\x02\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\t\x12\x12\n\ntools_json\x18\x05 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x16\n\x0e\x64ocuments_json\x18\x08 \x01(\tB\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x42\x07\n\x05input\"r\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"{\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=66
-  _globals['_CHATMESSAGE']._serialized_end=110
-  _globals['_CHATMESSAGES']._serialized_start=112
-  _globals['_CHATMESSAGES']._serialized_end=169
-  _globals['_TOKENIDS']._serialized_start=171
-  _globals['_TOKENIDS']._serialized_end=194
-  _globals['_GENERATEREQUEST']._serialized_start=197
-  _globals['_GENERATEREQUEST']._serialized_end=448
-  _globals['_CHUNK']._serialized_start=450
-  _globals['_CHUNK']._serialized_end=513
-  _globals['_USAGE']._serialized_start=515
-  _globals['_USAGE']._serialized_end=595
-  _globals['_COMPLETE']._serialized_start=597
-  _globals['_COMPLETE']._serialized_end=678
-  _globals['_GENERATEERROR']._serialized_start=680
-  _globals['_GENERATEERROR']._serialized_end=726
-  _globals['_GENERATERESPONSE']._serialized_start=729
-  _globals['_GENERATERESPONSE']._serialized_end=901
-  _globals['_LISTMODELSREQUEST']._serialized_start=903
-  _globals['_LISTMODELSREQUEST']._serialized_end=922
-  _globals['_MODELINFO']._serialized_start=924
-  _globals['_MODELINFO']._serialized_end=970
-  _globals['_LISTMODELSRESPONSE']._serialized_start=972
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1031
-  _globals['_GENERATION']._serialized_start=1034
-  _globals['_GENERATION']._serialized_end=1196
+  _globals['_CHATMESSAGE']._serialized_end=171
+  _globals['_CHATMESSAGES']._serialized_start=174
+  _globals['_CHATMESSAGES']._serialized_end=488
+  _globals['_TOKENIDS']._serialized_start=490
+  _globals['_TOKENIDS']._serialized_end=513
+  _globals['_GENERATEREQUEST']._serialized_start=516
+  _globals['_GENERATEREQUEST']._serialized_end=767
+  _globals['_CHUNK']._serialized_start=769
+  _globals['_CHUNK']._serialized_end=883
+  _globals['_TOOLCALL']._serialized_start=885
+  _globals['_TOOLCALL']._serialized_end=940
+  _globals['_USAGE']._serialized_start=942
+  _globals['_USAGE']._serialized_end=1022
+  _globals['_COMPLETE']._serialized_start=1024
+  _globals['_COMPLETE']._serialized_end=1147
+  _globals['_GENERATEERROR']._serialized_start=1149
+  _globals['_GENERATEERROR']._serialized_end=1195
+  _globals['_GENERATERESPONSE']._serialized_start=1198
+  _globals['_GENERATERESPONSE']._serialized_end=1370
+  _globals['_LISTMODELSREQUEST']._serialized_start=1372
+  _globals['_LISTMODELSREQUEST']._serialized_end=1391
+  _globals['_MODELINFO']._serialized_start=1393
+  _globals['_MODELINFO']._serialized_end=1439
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1441
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1500
+  _globals['_GENERATION']._serialized_start=1503
+  _globals['_GENERATION']._serialized_end=1665
 # @@protoc_insertion_point(module_scope)

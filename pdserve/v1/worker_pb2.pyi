@@ -5,6 +5,7 @@ from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 from pdserve.v1.common_pb2 import SamplingParams as SamplingParams
+from pdserve.v1.common_pb2 import StructuredOutput as StructuredOutput
 from pdserve.v1.common_pb2 import TokenLogprob as TokenLogprob
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -52,7 +53,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer")
+    __slots__ = ("request_id", "token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +61,7 @@ class PrefillResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token: _common_pb2.TokenLogprob
     cached_tokens: int
@@ -67,7 +69,8 @@ class PrefillResponse(_message.Message):
     compute_ms: float
     transfer_ms: float
     transfer: TransferRecord
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer: _Optional[_Union[TransferRecord, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer: _Optional[_Union[TransferRecord, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -150,10 +153,12 @@ class Accepted(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "prompt_logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "num_output_tokens")

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, authentication, the body-size limit and error handlers.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), vLLM's ``POST /tokenize`` and ``POST /detokenize`` (router/http/utility.py),
 ``GET /health`` (200 when a decode worker is up, else 503; until then the /v1 serving endpoints
 answer 503 with ``Retry-After`` too, see :mod:`router.readiness`), ``GET /metrics`` (Prometheus text),
 and, with a cluster controller, ``GET /admin/workers`` and ``POST /admin/scale``. With an API key,
@@ -11,7 +12,6 @@ every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401 ot
 from __future__ import annotations
 
 import hmac
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,23 +22,24 @@ from router.dashboard import add_operator_routes
 from router.errors import Unauthorized
 from router.http.admin import ClusterControl, admin_routes
 from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from router.http.chat import chat_completion
+from router.http.completions import text_completion
 from router.http.errors import install_error_handlers
 from router.http.fault_admin import FaultControl, fault_routes
-from router.http.handlers import OpenAIGateway
 from router.http.header_limit import MAX_HEADER_BYTES, HeaderSizeLimit
 from router.http.openapi import install_openapi
+from router.http.responses import Logprobs
 from router.http.stream_limit import (
     DEFAULT_MAX_CONCURRENT_STREAMS,
     StreamLimiter,
     StreamSlotRelease,
 )
+from router.http.utility import add_utility_routes, model_card
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.readiness import check_ready, is_ready
 from router.request_id import RequestIdMiddleware
 from router.serving import Router
 from router.status import ClusterMonitor
-
-_STARTED = time.time()
 
 
 def build_app(
@@ -66,7 +67,7 @@ def build_app(
     app.add_middleware(StreamSlotRelease, limiter=streams)
     app.add_middleware(HeaderSizeLimit, max_bytes=max_header_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
-    gateway = OpenAIGateway(router)
+    logprobs = Logprobs(router.tokenizer)  # token texts cached across requests
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def require_key(request: Request) -> None:
@@ -80,35 +81,24 @@ def build_app(
             )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    add_utility_routes(app, v1, router, dependencies=[Depends(require_key)])
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
             streams.reserve(request)
-        return await gateway.chat(body, request)
+        return await chat_completion(router, logprobs, body, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
             streams.reserve(request)
-        return await gateway.completions(body, request)
+        return await text_completion(router, logprobs, body, request)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         check_ready(router.pool)  # 503 + Retry-After until a request can be served
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": router.model_name,
-                    "object": "model",
-                    "created": int(_STARTED),
-                    "owned_by": "pdserve",
-                    "root": router.model_name,
-                    "max_model_len": router.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card(router)]}
 
     app.include_router(v1)
     # operators' view: /v1/cluster/status, /v1/requests/{id}, /dashboard

@@ -2,8 +2,10 @@
 
 Shapes follow the OpenAI API reference. Chat logprobs are ``{"content": [{"token", "logprob",
 "bytes", "top_logprobs"}]}``; completion logprobs are ``{"tokens", "token_logprobs",
-"top_logprobs", "text_offset"}``. Bodies are plain dicts (no pydantic round trip on the hot path:
-one chunk per streamed token).
+"top_logprobs", "text_offset"}``. A chat choice with tools carries ``message.tool_calls`` (or,
+streamed, ``delta.tool_calls`` once a call is complete) and ``finish_reason: "tool_calls"``
+instead of ``"stop"``, as OpenAI's. Bodies are plain dicts (no pydantic round trip on the hot
+path: one chunk per streamed token).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from pdserve.tokenizer import Tokenizer
 from pdserve.types import SampledToken
+from router.chat_tools import ToolSetup, ToolStream
 from router.serving import ChoiceDelta, RequestStream
 
 
@@ -83,18 +86,63 @@ class Logprobs:
 
 
 def chat_chunk_choice(
-    delta: ChoiceDelta, index: int, logprobs: dict[str, Any] | None, first: bool = False
+    delta: ChoiceDelta,
+    index: int,
+    logprobs: dict[str, Any] | None,
+    first: bool = False,
+    tools: ToolStream | None = None,
+    echo: str = "",
 ) -> dict[str, Any]:
     """One choice of a ``chat.completion.chunk``. ``first``: the choice's first chunk, which
     carries the assistant role with the first token's text (so no chunk precedes the first
-    token and clients measure TTFT from real output, as with vLLM's server)."""
-    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": None}
-    content: dict[str, Any] = {"content": delta.text} if delta.text or first else {}
-    choice["delta"] = {"role": "assistant", **content} if first else content
-    choice["finish_reason"] = delta.finish_reason
+    token and clients measure TTFT from real output, as with vLLM's server), after ``echo`` (the
+    echoed final assistant message, vLLM's chat ``echo``). ``tools``: the choice's tool-call
+    splitter when the request has tools."""
+    body = _tool_delta(tools, delta)
+    if first:
+        body = {"role": "assistant", **body, "content": echo + body.get("content", "")}
+    choice: dict[str, Any] = {"index": index, "delta": body, "logprobs": logprobs}
+    choice["finish_reason"] = _finish_reason(tools, delta.finish_reason)
     if delta.finish_reason is not None:
         choice["stop_reason"] = delta.stop_reason
     return choice
+
+
+def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, Any]:
+    """A streamed chat ``delta``: content, and tool calls once complete (``splitter`` set)."""
+    if splitter is None:
+        return {"content": delta.text} if delta.text else {}
+    content, calls = splitter.feed(delta.text)
+    if delta.finish_reason is not None:
+        more, late = splitter.finish()
+        content, calls = content + more, calls + late
+    out: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        first = splitter.num_calls - len(calls)
+        out["tool_calls"] = [c.to_openai(first + j) for j, c in enumerate(calls)]
+    return out
+
+
+def _finish_reason(splitter: ToolStream | None, reason: str | None) -> str | None:
+    """``tool_calls`` instead of ``stop`` when the choice made calls."""
+    if reason == "stop" and splitter is not None and splitter.num_calls:
+        return "tool_calls"
+    return reason
+
+
+def chat_message(
+    tools: ToolSetup | None, text: str, finish: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """(the assistant ``message``, finish_reason) of a complete chat choice."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish
+    parsed = tools.split(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
 
 
 def completion_chunk_choice(

@@ -197,7 +197,7 @@ def test_deadline_expires_a_queued_request() -> None:
 
 def test_forward_error_fails_only_that_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     eng = _engine()
-    real = eng.runner.execute
+    real = eng.runner.run
     calls = {"n": 0}
 
     def flaky(batch):  # type: ignore[no-untyped-def]
@@ -206,7 +206,7 @@ def test_forward_error_fails_only_that_batch(monkeypatch: pytest.MonkeyPatch) ->
             raise RuntimeError("injected")
         return real(batch)
 
-    monkeypatch.setattr(eng.runner, "execute", flaky)
+    monkeypatch.setattr(eng.runner, "run", flaky)
     f1 = eng.add_request(_req("a", (1, 2, 3)))
     eng.step()
     assert "injected" in f1.exception(0).message  # type: ignore[union-attr]

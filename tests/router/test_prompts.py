@@ -22,19 +22,21 @@ class RecordingTokenizer:
         self.inner = inner
         self.threads: list[str] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.threads.append(threading.current_thread().name)
-        return self.inner.encode(text)
+        return self.inner.encode(text, add_special_tokens)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.threads.append(threading.current_thread().name)
-        return self.inner.decode(ids)
+        return self.inner.decode(ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
         self.threads.append(threading.current_thread().name)
         if any(m["role"] == "tool" for m in messages):
             raise TokenizerError("the chat template does not accept a 'tool' message")
-        return self.inner.apply_chat_template(messages)
+        return self.inner.apply_chat_template(messages, add_generation_prompt, **kw)
 
 
 async def test_work_runs_on_the_tokenize_thread(tokenizer: Tokenizer) -> None:
@@ -62,6 +64,26 @@ async def test_errors_name_the_field(tokenizer: Tokenizer) -> None:
         with pytest.raises(BadRequest) as e:
             await prompts.text("a\udc80b", param="prompt")
         assert e.value.param == "prompt" and "U+DC80 at character 1" in e.value.message
+    finally:
+        prompts.close()
+
+
+async def test_template_controls_errors_name_the_control(tokenizer: Tokenizer) -> None:
+    prompts = PromptPreparer(tokenizer)
+    msgs = [{"role": "user", "content": "Hi"}]
+    try:
+        with pytest.raises(BadRequest) as e:  # the last message is not the assistant's
+            await prompts.chat(
+                msgs,
+                param="chat",
+                control_prefix="chat.",
+                add_generation_prompt=False,
+                continue_final_message=True,
+            )
+        assert e.value.param == "chat.continue_final_message"
+        with pytest.raises(BadRequest) as e:
+            await prompts.render_chat(msgs, param="messages", chat_template_kwargs={"tools": 1})
+        assert e.value.param == "chat_template_kwargs"
     finally:
         prompts.close()
 

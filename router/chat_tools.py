@@ -1,0 +1,156 @@
+"""A chat request's tools: validation, the tool choice's output constraint, and how its output
+is split into content and ``tool_calls`` (whole or streamed).
+
+``tool_choice`` (OpenAI): ``none`` (the template still sees the tools; the output is not
+parsed), ``auto`` (default when tools are given: the model decides; its text is parsed by the
+template family's parser), ``required`` (the output is constrained to a JSON array of calls,
+:func:`router.tool_parsers.required_schema`) or ``{"type": "function", "function": {"name"}}``
+(constrained to that function's arguments). ``parallel_tool_calls`` false keeps one call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.structured.spec import StructuredOutputSpec
+from router.errors import BadRequest
+from router.tool_parsers import (
+    ParsedOutput,
+    StreamingToolParser,
+    ToolCall,
+    named_schema,
+    new_call_id,
+    parse,
+    required_schema,
+)
+
+
+def check_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI tool definitions, validated. Raises BadRequest naming ``tools[i]``."""
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type", "function") != "function":
+            raise BadRequest(f"'tools[{i}]' must be {{'type': 'function', ...}}", param="tools")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(
+                f"'tools[{i}].function.name' must be a non-empty string", param="tools"
+            )
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise BadRequest(f"'tools[{i}].function.parameters' must be an object", param="tools")
+        out.append({"type": "function", "function": dict(fn)})
+    return out
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How one request uses tools. ``mode``: 'none' | 'auto' | 'required' | 'named'."""
+
+    tools: tuple[dict[str, Any], ...]
+    mode: str
+    name: str | None
+    parallel: bool
+    parser: str
+
+    def spec(self) -> StructuredOutputSpec | None:
+        """The output constraint ``required`` and named choices need (None otherwise)."""
+        if self.mode == "required":
+            schema = required_schema(self.tools, self.parallel)
+            return StructuredOutputSpec.json_schema(schema, "tool_choice")
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t["function"]["name"] == self.name)
+            return StructuredOutputSpec.json_schema(named_schema(tool), "tool_choice")
+        return None
+
+    def split(self, text: str) -> ParsedOutput:
+        """The complete output split into content and calls."""
+        if self.mode == "none":
+            return ParsedOutput(text, ())
+        if self.mode == "named":
+            return ParsedOutput(None, (_named_call(self.name or "", text),))
+        return parse("json" if self.mode == "required" else self.parser, text, self.parallel)
+
+    def streamer(self) -> ToolStream | None:
+        """A per-choice streaming splitter (None for ``none``: content passes through)."""
+        return None if self.mode == "none" else ToolStream(self)
+
+
+class ToolStream:
+    """Streaming :meth:`ToolSetup.split` for one choice: ``feed``/``finish`` return
+    (content now, calls completed now)."""
+
+    def __init__(self, setup: ToolSetup) -> None:
+        self.setup = setup
+        self._named_text: list[str] = []
+        self._parser = (
+            None
+            if setup.mode == "named"
+            else StreamingToolParser(
+                "json" if setup.mode == "required" else setup.parser, setup.parallel
+            )
+        )
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._parser is None:
+            self._named_text.append(text)
+            return "", []
+        content, calls = self._parser.feed(text)
+        self.num_calls += len(calls)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self._parser is None:
+            self.num_calls = 1
+            return "", [_named_call(self.setup.name or "", "".join(self._named_text))]
+        content, calls = self._parser.finish()
+        self.num_calls += len(calls)
+        return content, calls
+
+
+def _named_call(name: str, text: str) -> ToolCall:
+    try:
+        args = json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        args = text  # cut by max_tokens: pass on what was generated
+    return ToolCall(name, args, new_call_id())
+
+
+def tool_setup(
+    tools: Sequence[Any] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    parser: str,
+) -> ToolSetup | None:
+    """Validate a request's tool fields. None when no tools are given (and ``tool_choice`` is
+    absent or 'none'). Raises BadRequest naming ``tools`` / ``tool_choice``."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    checked = tuple(check_tools(tools))
+    names = [t["function"]["name"] for t in checked]
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        mode = "auto" if tool_choice is None else str(tool_choice)
+        return ToolSetup(checked, mode, None, parallel, parser)
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise BadRequest(
+                "'tool_choice' must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        if name not in names:
+            raise BadRequest(
+                f"'tool_choice' names function {name!r}, which is not in 'tools' ({names})",
+                param="tool_choice",
+            )
+        return ToolSetup(checked, "named", name, parallel, parser)
+    raise BadRequest(f"'tool_choice' {tool_choice!r} is not supported", param="tool_choice")

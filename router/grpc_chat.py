@@ -1,0 +1,77 @@
+"""The gRPC API's chat input (``pdserve.v1.ChatMessages``) -> what the chat template and the
+tool handling need, at parity with the HTTP gateway's chat fields. JSON-valued wire fields
+(``tools_json``, ``tool_choice_json``, ``chat_template_kwargs_json``, ``documents_json``,
+``tool_calls_json``) are decoded here; a bad one is a BadRequest naming it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.v1 import generate_pb2 as gpb
+from router.chat_tools import ToolSetup, tool_setup
+from router.errors import BadRequest
+from router.openai_protocol import CHAT_ROLES
+
+
+@dataclass
+class ChatInputs:
+    """``messages`` for the template, ``tools`` (None without tools) and the template
+    controls (keyword arguments of ``Tokenizer.render_chat``)."""
+
+    messages: list[dict[str, Any]]
+    tools: ToolSetup | None
+    controls: dict[str, Any]
+
+
+def _json(text: str, param: str, kind: type) -> Any:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"'{param}' is not valid JSON: {e}", param=param) from None
+    if not isinstance(value, kind):
+        raise BadRequest(f"'{param}' must be a JSON {kind.__name__}", param=param)
+    return value
+
+
+def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
+    """Decode and validate ``chat``. Raises BadRequest naming the field."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise BadRequest(
+                f"chat.messages[{i}].role is {m.role!r}; it must be one of {', '.join(CHAT_ROLES)}",
+                param=f"chat.messages.{i}.role",
+            )
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        calls = _json(m.tool_calls_json, f"chat.messages.{i}.tool_calls_json", list)
+        if calls:
+            msg["tool_calls"] = calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    choice_text = chat.tool_choice_json
+    choice = _json(choice_text, "chat.tool_choice_json", (str, dict)) if choice_text else None  # type: ignore[arg-type]
+    tools = tool_setup(
+        _json(chat.tools_json, "chat.tools_json", list),
+        choice,
+        chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None,
+        tool_parser,
+    )
+    controls = {
+        "add_generation_prompt": (
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        ),
+        "continue_final_message": chat.continue_final_message,
+        "chat_template_kwargs": _json(
+            chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict
+        ),
+        "documents": _json(chat.documents_json, "chat.documents_json", list),
+        "tools": list(tools.tools) if tools else None,
+    }
+    return ChatInputs(messages, tools, controls)

@@ -1,0 +1,73 @@
+"""Response shapes of prompt log-probabilities (torch-free, no FastAPI).
+
+Two forms, as the APIs pdserve mirrors define them:
+
+* OpenAI's legacy completions ``echo`` + ``logprobs``: the prompt's tokens come first in
+  ``logprobs.tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, the first
+  token's logprob and alternatives ``null`` (nothing precedes it), then the completion's.
+* vLLM's ``prompt_logprobs``: a list with one entry per prompt token, ``null`` first, then
+  ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the top
+  alternatives (``rank``: 1-based position among the alternatives; null for a prompt token
+  outside them, whose rank pdserve does not compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdserve.types import SampledToken
+
+
+def echo_logprobs(
+    prompt_ids: Sequence[int],
+    prompt_lps: Sequence[SampledToken],
+    top: int,
+    token_text: Callable[[int], str],
+) -> dict[str, list[Any]]:
+    """The prompt part of a legacy ``logprobs`` object (offsets from 0). ``prompt_lps``: prompt
+    tokens 1..n-1 (SampledToken per token, best alternatives first)."""
+    texts = [token_text(t) for t in prompt_ids]
+    offsets, at = [], 0
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    token_lps: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    for t in prompt_lps:
+        token_lps.append(t.logprob)
+        tops.append({token_text(i): lp for i, lp in t.top_logprobs[:top]})
+    return {
+        "tokens": texts,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(head: dict[str, list[Any]], tail: dict[str, list[Any]] | None) -> dict[str, Any]:
+    """``head`` followed by ``tail`` (same keys), as one legacy ``logprobs`` object."""
+    if tail is None:
+        return head
+    return {k: head[k] + tail[k] for k in head}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: Sequence[int], prompt_lps: Sequence[SampledToken], token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` list for a prompt (see the module docstring)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None] if prompt_ids else []
+    for t in prompt_lps:
+        entry: dict[str, dict[str, Any]] = {}
+        ranks = {tid: r + 1 for r, (tid, _) in enumerate(t.top_logprobs)}
+        entry[str(t.token_id)] = {
+            "logprob": t.logprob,
+            "rank": ranks.get(t.token_id),
+            "decoded_token": token_text(t.token_id),
+        }
+        for tid, lp in t.top_logprobs:
+            entry.setdefault(
+                str(tid), {"logprob": lp, "rank": ranks[tid], "decoded_token": token_text(tid)}
+            )
+        out.append(entry)
+    return out

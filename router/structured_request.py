@@ -1,0 +1,124 @@
+"""The structured-output and logit fields of an OpenAI/vLLM request -> core values.
+
+One place turns the several ways a client can ask for constrained output into one
+:class:`~pdserve.structured.spec.StructuredOutputSpec`:
+
+* OpenAI ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``,
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
+* vLLM's ``structured_outputs`` object (``json`` | ``regex`` | ``choice`` | ``grammar`` |
+  ``json_object``) and its older top-level ``guided_json`` / ``guided_regex`` /
+  ``guided_choice`` / ``guided_grammar`` fields.
+
+At most one may be given (a 400 names the second). ``logit_bias`` keys are token ids as JSON
+strings (OpenAI); a key that is not an integer in the vocabulary is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
+from router.errors import BadRequest
+
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _spec(kind: str, value: Any, field: str) -> StructuredOutputSpec:
+    try:
+        if kind == "json_schema":
+            return StructuredOutputSpec.json_schema(value, field)
+        if kind == "choice":
+            if not isinstance(value, list):
+                raise BadRequest(f"'{field}' must be a list of strings", param=field)
+            return StructuredOutputSpec.choice(value, field)
+        if kind == "json_object":
+            return StructuredOutputSpec("json_object", "", field)
+        if not isinstance(value, str):
+            raise BadRequest(f"'{field}' must be a string", param=field)
+        return StructuredOutputSpec(kind, value, field)
+    except StructuredOutputError as e:
+        raise BadRequest(str(e), param=e.field) from None
+
+
+def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec | None:
+    """The spec OpenAI's ``response_format`` asks for (None for text). Raises BadRequest."""
+    if not fmt:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _spec("json_object", None, "response_format")
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, Mapping) or not isinstance(js.get("schema", {}), (Mapping, bool)):
+            raise BadRequest(
+                "'response_format' of type 'json_schema' needs 'json_schema': {'name', 'schema'}",
+                param="response_format",
+            )
+        return _spec("json_schema", js.get("schema", {}), "response_format")
+    raise BadRequest(
+        f"'response_format' type {kind!r} is not supported; use 'text', 'json_object' or "
+        "'json_schema'",
+        param="response_format",
+    )
+
+
+def structured_spec(
+    response_format: Mapping[str, Any] | None,
+    structured_outputs: Mapping[str, Any] | None,
+    guided: Mapping[str, Any],
+) -> StructuredOutputSpec | None:
+    """The one spec of a request. ``guided``: the ``guided_*`` fields by name (None = absent).
+    Raises BadRequest naming the field when one is malformed or two are given."""
+    found: list[StructuredOutputSpec] = []
+    rf = response_format_spec(response_format)
+    if rf is not None:
+        found.append(rf)
+    if structured_outputs:
+        so = {k: v for k, v in structured_outputs.items() if v not in (None, False)}
+        kinds = [k for k in so if k in _VLLM_KINDS or k == "json_object"]
+        if len(kinds) != 1:
+            raise BadRequest(
+                "'structured_outputs' must set exactly one of 'json', 'regex', 'choice', "
+                "'grammar', 'json_object'",
+                param="structured_outputs",
+            )
+        k = kinds[0]
+        found.append(_spec(_VLLM_KINDS.get(k, "json_object"), so[k], "structured_outputs"))
+    for name, value in guided.items():
+        if value is not None:
+            found.append(_spec(_VLLM_KINDS[name.removeprefix("guided_")], value, name))
+    if len(found) > 1:
+        raise BadRequest(
+            f"'{found[1].field}' cannot be combined with '{found[0].field}': give one output "
+            "constraint",
+            param=found[1].field,
+        )
+    return found[0] if found else None
+
+
+def logit_bias_pairs(
+    bias: Mapping[str, float] | None, vocab_size: int = 2**31
+) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs. Raises BadRequest naming a key that is
+    not an integer token id in ``[0, vocab_size)`` (the value range is checked by
+    SamplingParams; the router checks the model's vocabulary at submit)."""
+    out: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise BadRequest(
+                f"'logit_bias' key {json.dumps(key)} is not a token id (an integer as a string)",
+                param="logit_bias",
+            ) from None
+        if not 0 <= tid < vocab_size:
+            raise BadRequest(
+                f"'logit_bias' key '{key}' is outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
+        out.append((tid, value))
+    return tuple(sorted(out))

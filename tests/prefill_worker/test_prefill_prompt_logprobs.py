@@ -1,0 +1,38 @@
+"""Prefill engine prompt logprobs: gathered over chunks, and a cached prefix is skipped (the
+request computes every prompt token) so a repeated prompt gets the same logprobs."""
+
+from __future__ import annotations
+
+import pytest
+from prefill_tiny import TINY, prompt, tiny_config
+
+from pdserve.sampling_params import SamplingParams
+from prefill_worker.engine import PrefillEngine
+from prefill_worker.request import PrefillRequest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache() -> None:
+    eng = PrefillEngine.build(tiny_config(max_num_batched_tokens=32), model_config=TINY)
+    p = tuple(prompt(100, seed=1))
+    plain = SamplingParams(temperature=0)
+    asks = SamplingParams(temperature=0, prompt_logprobs=2)
+    warm = eng.add_request(PrefillRequest("warm", p, plain))
+    eng.run_until_idle()
+    assert warm.result(0).cached_tokens == 0 and warm.result(0).prompt_logprobs == ()
+
+    again = eng.add_request(PrefillRequest("again", p, plain))
+    scored = eng.add_request(PrefillRequest("scored", p, asks))
+    eng.run_until_idle()
+    assert again.result(0).cached_tokens > 0  # the cache serves requests that do not ask
+    r = scored.result(0)
+    assert r.cached_tokens == 0  # ... and is skipped by one that does
+    assert [t.token_id for t in r.prompt_logprobs] == list(p[1:])
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in r.prompt_logprobs)
+    assert r.token == warm.result(0).token
+    second = eng.add_request(PrefillRequest("second", p, asks))
+    eng.run_until_idle()
+    assert second.result(0).prompt_logprobs == r.prompt_logprobs
+    eng.check_integrity()
+    eng.shutdown()

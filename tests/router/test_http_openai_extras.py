@@ -1,0 +1,230 @@
+"""Issue 13 in the HTTP and gRPC gateways against fake workers: tool_calls shaping (streamed == whole),
+chat echo, request validation (logit_bias, structured output, tools, template controls,
+max_tokens 0) and the utility endpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from fake_workers import EOS, start_fake_cluster
+from test_http_gateway import assert_openai_error, sse_events
+
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import generate_pb2 as gpb
+from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from router.grpc_gateway import GrpcGateway
+from router.http import build_app
+from router.serving import Router, RouterConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "hermes_template.jinja").read_text()
+CALL_TEXT = (
+    'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@contextlib.asynccontextmanager
+async def client(tokenizer: Tokenizer, answer: str = CALL_TEXT) -> AsyncIterator[httpx.AsyncClient]:
+    script = tokenizer.encode(answer, add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    router = Router(
+        RouterConfig(model_name="smollm2", max_model_len=512, chat_template=TEMPLATE),
+        tokenizer,
+        c.pool,
+    )
+    transport = httpx.ASGITransport(app=build_app(router))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        try:
+            yield http
+        finally:
+            await c.close()
+
+
+async def test_auto_tool_calls_whole_and_streamed(tokenizer: Tokenizer) -> None:
+    async with client(tokenizer) as http:
+        body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 64}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] == "Sure."
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+        s = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [e for e in sse_events(s.text) if isinstance(e, dict)]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+        calls = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert content == "Sure."
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+        none = await http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert none.json()["choices"][0]["message"]["content"] == CALL_TEXT
+
+
+async def test_chat_echo_prepends_the_assistant_message(tokenizer: Tokenizer) -> None:
+    async with client(tokenizer, " purr.") as http:
+        msgs = [*ASK, {"role": "assistant", "content": "Cats"}]
+        body = {
+            "messages": msgs,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "echo": True,
+        }
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.json()["choices"][0]["message"]["content"] == "Cats purr."
+        s = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [e for e in sse_events(s.text) if isinstance(e, dict)]
+        assert (
+            "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Cats purr."
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"logit_bias": {"49152": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
+        ("/v1/completions", {"guided_json": {"type": "x"}}, "guided_json"),
+        ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"json": {}, "regex": "a"}},
+            "structured_outputs",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"},
+            "guided_regex",
+        ),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs"),
+    ],
+)
+async def test_bad_fields_are_400_naming_them(
+    tokenizer: Tokenizer, path: str, extra: dict, param: str
+) -> None:
+    async with client(tokenizer, "ok") as http:
+        base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": ASK}
+        r = await http.post(path, json={**base, **extra})
+        assert_openai_error(r, 400, param)
+        ok = await http.post(path, json={**base, "max_tokens": 2})
+        assert ok.status_code == 200  # the server keeps serving
+
+
+async def test_utility_endpoints(tokenizer: Tokenizer) -> None:
+    async with client(tokenizer, "ok") as http:
+        r = await http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+        body = r.json()
+        assert body["tokens"] == tokenizer.encode("Hello world") and body["max_model_len"] == 512
+        assert "".join(body["token_strs"]) == "Hello world"
+        chat = await http.post(
+            "/tokenize", json={"messages": ASK, "tools": [WEATHER], "add_generation_prompt": True}
+        )
+        text = tokenizer.decode(chat.json()["tokens"], skip_special_tokens=False)
+        assert "get_weather" in text and text.endswith("<|im_start|>assistant\n")
+        assert_openai_error(await http.post("/tokenize", json={}), 400, "prompt")
+        d = await http.post("/detokenize", json={"tokens": body["tokens"]})
+        assert d.json() == {"prompt": "Hello world"}
+        assert_openai_error(await http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+        m = await http.get("/v1/models/smollm2")
+        assert m.json()["id"] == "smollm2" and m.json()["max_model_len"] == 512
+        assert_openai_error(await http.get("/v1/models/gpt-4"), 404, "model")
+
+
+# -- gRPC parity ------------------------------------------------------------------------------
+
+
+async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> None:
+    script = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    cfg = RouterConfig(model_name="smollm2", max_model_len=512, chat_template=TEMPLATE)
+    gw = GrpcGateway(Router(cfg, tokenizer, c.pool), host="127.0.0.1", port=0)
+    await gw.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+    try:
+        stub = gpb_grpc.GenerationStub(channel)
+        chat = gpb.ChatMessages(
+            messages=[gpb.ChatMessage(role="user", content="Weather in Paris?")],
+            tools_json=json.dumps([WEATHER]),
+        )
+        sampling = wpb.SamplingParams(max_tokens=64, prompt_logprobs=1)
+        sampling.logit_bias[5] = -3.0
+        out = [r async for r in stub.Generate(gpb.GenerateRequest(chat=chat, sampling=sampling))]
+        done = out[-1].complete
+        assert done.finish_reason == "tool_calls" and done.text == "Sure."
+        assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        sent = c.decodes[0].requests[-1].sampling
+        assert dict(sent.logit_bias) == {5: -3.0} and sent.prompt_logprobs == 1
+
+        forced = gpb.ChatMessages(
+            messages=chat.messages, tools_json=chat.tools_json, tool_choice_json='"required"'
+        )
+        await stub.Generate(
+            gpb.GenerateRequest(chat=forced, sampling=wpb.SamplingParams(max_tokens=8))
+        ).read()
+        spec = c.decodes[0].requests[-1].sampling.structured
+        assert spec.kind == "json_schema" and spec.field == "tool_choice"
+
+        bad = [
+            (gpb.ChatMessages(messages=chat.messages, tools_json="{"), "tools_json"),
+            (
+                gpb.ChatMessages(messages=chat.messages, tool_choice_json='"required"'),
+                "tool_choice",
+            ),
+            (
+                gpb.ChatMessages(
+                    messages=chat.messages, add_generation_prompt=True, continue_final_message=True
+                ),
+                "continue_final_message",
+            ),
+        ]
+        for msgs, word in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(gpb.GenerateRequest(chat=msgs)).read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
+        regex = wpb.SamplingParams(structured=wpb.StructuredOutput(kind="regex", value="[a-"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(gpb.GenerateRequest(text="hi", sampling=regex)).read()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await channel.close()
+        await gw.stop(0)
+        await c.close()
