@@ -50,6 +50,9 @@ _EXTRA: dict[str, set[int]] = {
     "/v1/chat/completions": _SERVING,
     "/v1/completions": _SERVING,
     "/v1/models": {503},
+    "/v1/models/{model_id}": {404, 503},
+    "/tokenize": {404},  # an unknown 'model'
+    "/detokenize": {404},
     "/v1/requests/{record_id}": {404},
     "/admin/scale": {409, 503},
     "/admin/faults": {404, 503},
