@@ -331,6 +331,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.max_concurrent_streams < 1:
             raise ConfigError("--max-concurrent-streams must be >= 1")
+        for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} must be in 0..65535, got {port}")
         if self.mode not in ("disaggregated", "unified"):
             raise ConfigError(f"--mode {self.mode!r} is not disaggregated|unified")
         if self.num_decode_workers < 1:

@@ -129,6 +129,7 @@ class RequestLifecycle:
         self.transfers: list[pb.TransferRecord] = []
         self.num_preemptions = 0
         self.num_migrations = 0  # re-placements after a broken stream / worker error
+        self.num_local_prefills = 0  # prefills done by the decode worker itself (no KV transfer)
         self.num_prefill_failures = 0
         self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
         self.first_token_time: float | None = None
@@ -330,6 +331,7 @@ class RequestLifecycle:
             attempt.accepted = event.accepted
             reserved = event.accepted.num_reserved_blocks or blocks
             self.trace.decode_reserved(worker.worker_id, attempt_id, reserved, local)
+            self.num_local_prefills += local
             return attempt
         attempt.close(abort=True, timeout_s=abort_timeout)
         if kind == "error":

@@ -342,6 +342,9 @@ class RequestStream:
         for rec in lc.transfers:
             metrics.observe_transfer(rec.bytes, rec.ms, rec.outcome, rec.path)
             self.router.stats.kv_transfer(rec.bytes, rec.path, rec.outcome)
+        for _ in range(lc.num_local_prefills):  # KV computed where it is used: nothing moved
+            metrics.observe_transfer(0, 0.0, "ok", "local")
+            self.router.stats.kv_transfer(0, "local", "ok")
         self.router.stats.sequence_finished(
             reason,
             now - self.arrival,

@@ -92,3 +92,12 @@ def test_dtype_auto_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(config_mod, "has_native_bf16", lambda: True)
     assert LoadConfig().resolved_dtype == "bfloat16"
     assert LoadConfig(dtype="float32").resolved_dtype == "float32"
+
+
+def test_serve_ports_in_range() -> None:
+    from pdserve.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="--port must be in 0..65535, got 99999"):
+        ServeConfig(port=99999)
+    with pytest.raises(ConfigError, match="--grpc-port"):
+        ServeConfig(grpc_port=-1)

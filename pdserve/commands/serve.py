@@ -202,7 +202,7 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         if s.mode == "unified"
         else f"{s.num_prefill_workers} prefill + {s.num_decode_workers} decode workers"
     )
-    auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if api_key else ""
+    auth = ' -H "Authorization: Bearer <your --api-key>"' if api_key else ""
     lines = [
         f"ready: model '{plan.model_name}' ({s.mode}: {workers}, max_model_len "
         f"{plan.max_model_len})",

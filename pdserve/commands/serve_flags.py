@@ -170,8 +170,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         choices=["disaggregated", "unified"],
         help="unified = no prefill workers; decode workers prefill locally",
     )
-    g.add_argument("--num-prefill-workers", type=int, default=ServeConfig.num_prefill_workers)
-    g.add_argument("--num-decode-workers", type=int, default=ServeConfig.num_decode_workers)
+    g.add_argument(
+        "--num-prefill-workers",
+        type=int,
+        default=ServeConfig.num_prefill_workers,
+        help="prefill worker actors (0: the decode workers prefill locally); default %(default)s",
+    )
+    g.add_argument(
+        "--num-decode-workers",
+        type=int,
+        default=ServeConfig.num_decode_workers,
+        help="decode worker actors (>= 1); default %(default)s",
+    )
     g.add_argument(
         "--cpus-per-worker",
         type=float,

@@ -186,7 +186,7 @@ class RayCluster:
                 self._init_local_ray()
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
             self._progress(f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s")
-            self._progress(join_hint(self.gcs_address))
+            self._progress(join_hint(self.gcs_address, self.spec.engine.load.model))
         self._gpus = gpus_per_worker(self.spec)
 
     def _init_local_ray(self, attempts: int = 2) -> None:

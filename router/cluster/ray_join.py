@@ -18,6 +18,7 @@ retries for about 20 s and fails with ``InvalidAuthToken``. So, before joining:
 from __future__ import annotations
 
 import logging
+import shlex
 from typing import Any
 
 import ray
@@ -39,8 +40,25 @@ def prepare_token_auth() -> bool:
     mode = env.ray_auth_mode()
     if mode is None and env.ray_auth_token_available():
         env.enable_ray_token_auth()
+        _refresh_ray_config()
         return True
     return mode == "token"
+
+
+def _refresh_ray_config() -> None:
+    """Make this process's already-imported Ray see the new ``RAY_AUTH_MODE``.
+
+    NOTE: Ray caches its config (and the token) when it is imported; setting the variable alone
+    leaves a process that imported Ray first presenting no token, so the join fails although the
+    token is right. Ray refreshes the same way when it enables token auth itself
+    (``ray._private.authentication.authentication_token_setup``).
+    """
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # another Ray layout: the variable is all we can set
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _is_auth_failure(error: BaseException) -> bool:
@@ -81,9 +99,15 @@ def join(address: str, namespace: str, **init_kwargs: Any) -> None:
         ) from None
 
 
-def join_hint(address: str) -> str:
-    """How to join this cluster from another process, as one line for the startup banner."""
+def join_hint(address: str, model: str | None = None) -> str:
+    """How to join this cluster from another process, as one line for the startup banner.
+
+    ``model``: the ``--model`` the workers serve; the joining router needs the same one for its
+    tokenizer and model name (its default is the bundled model).
+    """
     line = f"more routers: pdserve router --ray-address {address}"
+    if model is not None and model != "smollm2":
+        line += f" --model {shlex.quote(model)}"
     if env.ray_auth_mode() == "token":
         line += (
             f"   (Ray token auth is on: from another machine also set {env.RAY_AUTH_MODE}=token "

@@ -83,3 +83,10 @@ def test_join_hint(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert join_hint("1.2.3.4:6379") == "more routers: pdserve router --ray-address 1.2.3.4:6379"
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     assert "RAY_AUTH_TOKEN" in join_hint("1.2.3.4:6379")
+
+
+def test_join_hint_names_the_model(clean_env: Path) -> None:
+    """The printed router line carries --model when the workers serve another model."""
+    assert join_hint("1.2.3.4:6379", "smollm2").endswith("--ray-address 1.2.3.4:6379")
+    line = join_hint("1.2.3.4:6379", "/models/my model")
+    assert "--ray-address 1.2.3.4:6379 --model '/models/my model'" in line

@@ -248,7 +248,11 @@ async def test_unified_record_shows_no_transfer(tokenizer: Tokenizer) -> None:
         assert seq["kv_path"] == "local" and rec["kv_path"] == "local"
         assert seq["prefill_worker"] is None and seq["decode_worker"] == "decode-0"
         assert "local_prefill" in [e["event"] for e in seq["timeline"]]
-        assert (await status(client))["mode"] == "unified"
+        st = await status(client)
+        assert st["mode"] == "unified"
+        # the status API counts the local prefill as a 'local' KV path, with no bytes moved
+        assert st["kv_transfers"]["local"] == 1 and st["kv_transfers"]["transferred"] == 0
+        assert st["kv_transfers"]["bytes"] == 0
 
 
 async def test_api_key_guards_the_status_api_not_the_page_shell(tokenizer: Tokenizer) -> None:
