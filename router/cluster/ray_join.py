@@ -54,7 +54,7 @@ def _refresh_ray_config() -> None:
     (``ray._private.authentication.authentication_token_setup``).
     """
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
     except ImportError:  # another Ray layout: the variable is all we can set
         return
     Config.initialize("")
