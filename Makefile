@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup browser serve test lint proto bench clean
 
@@ -44,8 +45,11 @@ proto: setup
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
 		proto/pdserve/v1/*.proto
 
+# The serving suite of issue 15 (bench/serving_suite.py): machine rates, pdserve in both modes on
+# the main and mixed workloads, floors, a markdown table and plots in bench-results/<timestamp>/.
+# BENCH_ARGS="--quick" for a smoke run, "--with-vllm" for the side-by-side (docs/bench.md).
 bench: setup
-	$(BIN)/pdserve bench --help
+	$(BIN)/python bench/serving_suite.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -14,7 +14,9 @@ For each dtype and batch size B, in one run on one machine:
   moved (every weight read once, plus the KV cache read at the mean context length) over the
   measured copy bandwidth, and matmul FLOPs (2 per weight per sequence, plus attention's
   ``4 * context * heads * head_dim`` per layer per sequence) over the measured matmul rate; the
-  floor is the larger of the two (a roofline: Williams et al., CACM 2009).
+  floor is the larger of the two (a roofline: Williams et al., CACM 2009). The rates and the
+  formula are shared with the serving suite (:mod:`pdserve.bench.machine`,
+  :func:`pdserve.bench.floors.decode_step_floor_ms`).
 
 Usage::
 
@@ -47,9 +49,10 @@ from decode_worker.request import (  # noqa: E402
     FinishedEvent,
     TokensEvent,
 )
+from pdserve.bench.floors import decode_step_floor_ms, model_cost  # noqa: E402
+from pdserve.bench.machine import copy_bandwidth_gbs, matmul_gflops  # noqa: E402
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
-from pdserve.model.cpu_linear import PackedLinear  # noqa: E402
 from pdserve.model.resolve import resolve_model  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -66,66 +69,6 @@ class Row:
     hf_tok_s: float | None
     floor_ms: float
     floor_bound: str  # 'memory' | 'compute'
-
-
-# ------------------------------------------------------------------------------ machine rates
-def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Measured memory copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
-def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
-    """Measured square-matmul rate in GFLOP/s (2 n^3 FLOPs per product), best of ``reps``."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
-def floor_step_ms(
-    runner: ModelRunner, batch: int, context: float, bw_gbs: float, gflops: float
-) -> tuple[float, str]:
-    """Lower bound on one decode step (ms) and which resource bounds it ('memory'|'compute').
-
-    Bytes: every parameter once (a tied embedding counts once: the LM head reads it whole, the
-    lookup only B rows) + the KV of ``batch`` sequences at ``context`` tokens. FLOPs: 2 per
-    matmul weight per sequence (embedding lookup excluded unless tied, where it is the LM head)
-    + attention, 4 * context * num_heads * head_dim per layer per sequence.
-    """
-    mc = runner.model_config
-    elem = torch.empty((), dtype=runner.dtype).element_size()
-    model = runner.model
-    params = sum(p.numel() for p in model.parameters())
-    # oneDNN-packed linears hold their weights outside parameters(); a tied model's packed
-    # lm_head is a copy of the embedding, already counted
-    params += sum(
-        m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
-        for m in model.modules()
-        if isinstance(m, PackedLinear) and not (mc.tie_word_embeddings and m is model.lm_head)
-    )
-    # Tied: the one embedding matrix is the LM head (a matmul). Untied: the lookup is no matmul.
-    embed = mc.vocab_size * mc.hidden_size
-    matmul_params = params if mc.tie_word_embeddings else params - embed
-    kv_bytes = batch * context * mc.kv_bytes_per_token * elem
-    bytes_moved = params * elem + kv_bytes
-    attn = 4 * context * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
-    flops = batch * (2 * matmul_params + attn)
-    mem_ms = bytes_moved / (bw_gbs * 1e9) * 1e3
-    cmp_ms = flops / (gflops * 1e9) * 1e3
-    return (mem_ms, "memory") if mem_ms >= cmp_ms else (cmp_ms, "compute")
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -264,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         runner = ModelRunner(config)
+        cost = model_cost(runner.model_config, dtype)
         hf = None if args.no_hf else load_hf(args.model, tdt)
         g = torch.Generator().manual_seed(0)
         vocab = runner.model_config.vocab_size
@@ -273,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             e_ms = best_of(args.repeats, engine_step_ms, runner, prompts, steps, config)
             h_ms = None if hf is None else best_of(args.repeats, hf_step_ms, hf, prompts, steps)
             ctx = args.prompt_len + 1 + args.decode_steps / 2
-            f_ms, bound = floor_step_ms(runner, b, ctx, bw, rate)
+            f_ms, bound = decode_step_floor_ms(cost, b, ctx, bw, rate)
             row = Row(
                 dtype, b, e_ms, b / e_ms * 1e3, h_ms, b / h_ms * 1e3 if h_ms else None,
                 f_ms, bound,

@@ -101,7 +101,8 @@ class BenchmarkResult:
     self_timed: bool  # arrivals from trace timestamps
 
 
-def _headers(config: BenchConfig) -> dict[str, str]:
+def auth_headers(config: BenchConfig) -> dict[str, str]:
+    """The ``Authorization`` header of ``config.api_key`` (empty when none)."""
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
@@ -109,7 +110,7 @@ async def fetch_model_name(session: aiohttp.ClientSession, config: BenchConfig) 
     """First model id from the server's ``GET /v1/models``. Raises BenchmarkError."""
     url = config.base_url.rstrip("/") + "/v1/models"
     try:
-        async with session.get(url, headers=_headers(config)) as resp:
+        async with session.get(url, headers=auth_headers(config)) as resp:
             if resp.status != 200:
                 raise BenchmarkError(f"GET {url} returned HTTP {resp.status}; pass --model")
             data = await resp.json()
@@ -121,7 +122,7 @@ async def fetch_model_name(session: aiohttp.ClientSession, config: BenchConfig) 
     return str(models[0]["id"])
 
 
-def _fill_output_tokens(out: RequestOutput, tokenizer: BenchTokenizer | None) -> None:
+def fill_output_tokens(out: RequestOutput, tokenizer: BenchTokenizer | None) -> None:
     """Output tokens when the server sent no usage: re-tokenize the text, else count chunks."""
     if out.success and not out.usage_reported:
         if tokenizer is not None:
@@ -130,7 +131,8 @@ def _fill_output_tokens(out: RequestOutput, tokenizer: BenchTokenizer | None) ->
             out.output_tokens = out.num_chunks
 
 
-def _spec(req: SampleRequest, config: BenchConfig) -> RequestSpec:
+def request_spec(req: SampleRequest, config: BenchConfig) -> RequestSpec:
+    """What :func:`pdserve.bench.client.build_payload` needs to send ``req`` under ``config``."""
     return RequestSpec(
         prompt=req.prompt,
         prompt_len=req.prompt_len,
@@ -145,10 +147,12 @@ async def _wait_ready(
 ) -> None:
     """Retry one request until it succeeds or ``ready_timeout_s`` passes (server start-up)."""
     deadline = time.monotonic() + config.ready_timeout_s
-    payload = build_payload(config.endpoint, model, _spec(first, config), config.ignore_eos)
+    payload = build_payload(config.endpoint, model, request_spec(first, config), config.ignore_eos)
     last = ""
     while time.monotonic() < deadline:
-        out = await send_request(session, config.url, payload, first.prompt_len, _headers(config))
+        out = await send_request(
+            session, config.url, payload, first.prompt_len, auth_headers(config)
+        )
         if out.success:
             return
         last = out.error
@@ -173,7 +177,7 @@ async def run_benchmark(
     limit = config.max_concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
-    headers = _headers(config)
+    headers = auth_headers(config)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await fetch_model_name(session, config)
         name = config.served_model_name or model
@@ -186,12 +190,14 @@ async def run_benchmark(
         )
 
         async def one(req: SampleRequest, pbar: tqdm | None) -> RequestOutput:
-            payload = build_payload(config.endpoint, name, _spec(req, config), config.ignore_eos)
+            payload = build_payload(
+                config.endpoint, name, request_spec(req, config), config.ignore_eos
+            )
             arrived = time.perf_counter()
             async with sem:
                 out = await send_request(session, config.url, payload, req.prompt_len, headers)
             out.queue_time = out.start_time - arrived
-            _fill_output_tokens(out, tokenizer)
+            fill_output_tokens(out, tokenizer)
             if pbar is not None:
                 pbar.update(1)
             return out

@@ -1,0 +1,138 @@
+"""Mixed traffic: short requests beside a paced stream of long prompts, from two clients at once.
+
+:func:`run_mixed` starts both in one event loop at the same instant:
+
+- the **short client** is an ordinary closed-loop run (:func:`pdserve.bench.serve.run_benchmark`,
+  no warm-up: the server is warm from the runs before);
+- the **long client** (:func:`run_paced_until`) sends long prompt ``i`` at ``t0 + i / rate``
+  (evenly spaced, no concurrency cap) until the short run has finished, then waits for the long
+  requests still in flight, so their TTFT and E2EL show whether they starve.
+
+Long prompts come from a supplier indexed by ``i`` (a seed per index, so they are distinct and
+reproducible); the ones prepared ahead are used first so that building prompt text does not hold
+the event loop while requests are being timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import aiohttp
+
+from pdserve.bench.client import build_payload, send_request
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import RequestOutput, calculate_metrics
+from pdserve.bench.serve import (
+    BenchConfig,
+    BenchmarkResult,
+    auth_headers,
+    fill_output_tokens,
+    request_spec,
+    run_benchmark,
+)
+from pdserve.bench.word_tokenizer import BenchTokenizer
+
+
+class LongPrompts:
+    """Long prompt ``i`` of a run: ``prepared[i]`` while it lasts, else ``make(i)`` (in a thread)."""
+
+    def __init__(
+        self, prepared: Sequence[SampleRequest], make: Callable[[int], SampleRequest]
+    ) -> None:
+        self.prepared = list(prepared)
+        self.make = make
+        self.made_late = 0  # prompts built during the run (the estimate was short)
+
+    async def get(self, i: int) -> SampleRequest:
+        """Prompt ``i``."""
+        if i < len(self.prepared):
+            return self.prepared[i]
+        self.made_late += 1
+        return await asyncio.to_thread(self.make, i)
+
+
+async def run_paced_until(
+    config: BenchConfig,
+    prompts: LongPrompts,
+    stop: asyncio.Event,
+    tokenizer: BenchTokenizer | None = None,
+) -> BenchmarkResult:
+    """Send ``prompts`` at ``config.request_rate`` per second (evenly spaced, first at once)
+    until ``stop`` is set; then wait for every request sent. ``config.model`` must be set.
+
+    The result's duration runs from the first send to the end of the last request. Raises
+    ValueError for an infinite rate or a missing model name.
+    """
+    if not math.isfinite(config.request_rate):
+        raise ValueError("a paced client needs a finite request rate")
+    if not config.model:
+        raise ValueError("a paced client needs config.model (the served model name)")
+    name = config.served_model_name or config.model
+    headers = auth_headers(config)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    sent: list[SampleRequest] = []
+    tasks: list[asyncio.Task[RequestOutput]] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(req: SampleRequest) -> RequestOutput:
+            payload = build_payload(config.endpoint, name, request_spec(req, config),
+                                    config.ignore_eos)  # fmt: skip
+            out = await send_request(session, config.url, payload, req.prompt_len, headers)
+            fill_output_tokens(out, tokenizer)
+            return out
+
+        started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+        t0 = time.perf_counter()
+        nxt = await prompts.get(0)
+        while not stop.is_set():
+            sent.append(nxt)
+            tasks.append(asyncio.create_task(one(nxt)))
+            nxt = await prompts.get(len(sent))
+            delay = t0 + len(sent) / config.request_rate - time.perf_counter()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+                except asyncio.TimeoutError:  # the next long prompt is due
+                    pass
+        outputs = list(await asyncio.gather(*tasks))
+        ends = [o.start_time + o.latency for o in outputs if o.success]
+        duration = max((max(ends) if ends else time.perf_counter()) - t0, 1e-9)
+    metrics = calculate_metrics(outputs, duration, config.percentiles, config.slos_ms)
+    return BenchmarkResult(
+        config=config,
+        model=config.model,
+        requests=sent,
+        outputs=outputs,
+        metrics=metrics,
+        started_at=started_at,
+        self_timed=False,
+    )
+
+
+async def run_mixed(
+    short_config: BenchConfig,
+    shorts: list[SampleRequest],
+    long_config: BenchConfig,
+    longs: LongPrompts,
+    tokenizer: BenchTokenizer | None = None,
+) -> tuple[BenchmarkResult, BenchmarkResult]:
+    """(short run, long run): both clients started together; the long client stops sending when
+    the short run ends. ``long_config.request_rate`` is the long prompts' rate (req/s);
+    ``long_config.model`` must be set. Raises BenchmarkError like a single run."""
+    stop = asyncio.Event()
+    long_task = asyncio.create_task(run_paced_until(long_config, longs, stop, tokenizer))
+    try:
+        short = await run_benchmark(replace(short_config, num_warmups=0), shorts, tokenizer)
+    except BaseException:
+        long_task.cancel()
+        with contextlib.suppress(BaseException):
+            await long_task
+        raise
+    stop.set()
+    return short, await long_task

@@ -1,0 +1,88 @@
+"""The suite's two workloads (issue 15), at full size and at ``--quick`` size, and their seeds.
+
+- **main**: ``random`` prompts of 256 tokens, 128 output tokens (``ignore_eos``), 64 prompts at
+  most 16 in flight, chat endpoint: plain throughput and TPOT.
+- **mixed**: short requests (64 in / 128 out, 32 prompts, at most 8 in flight, completions
+  endpoint, so TTFT and ITL count from the first token on every server) first alone, then again
+  while a second client sends 1500-token prompts (8 out) at 0.25/s until the short run ends: how
+  much long prefills stall short requests' decode (ITL) and queue their prefill (TTFT).
+
+Every run on one server uses prompts of its own (a seed per run), because a server with prefix
+caching answers a repeated prompt from its cache; the same run on different servers uses the same
+prompts, so servers are compared on identical input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.bench.client import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+
+WORKLOADS = ("main", "mixed")
+
+# Seed offsets (added to --seed) of the runs one server sees; each run's prompts are its own.
+SEED_MAIN = 0
+SEED_MAIN_PEER_CLIENT = 1  # vLLM's own client on the main workload
+SEED_SHORT_ALONE = 2
+SEED_SHORT_MIXED = 3
+SEED_LONG = 1000  # long prompt i uses seed + SEED_LONG + i
+
+
+@dataclass(frozen=True)
+class MainWorkload:
+    """Closed-loop random workload: lengths in tokens, ``max_concurrency`` requests in flight."""
+
+    num_prompts: int = 64
+    input_len: int = 256
+    output_len: int = 128
+    max_concurrency: int = 16
+    endpoint: str = CHAT_ENDPOINT
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_prompts", "input_len", "output_len", "max_concurrency")
+
+
+@dataclass(frozen=True)
+class MixedWorkload:
+    """Short closed-loop requests, alone and beside long prompts sent at ``long_rate`` per second.
+
+    Lengths in tokens; the long client sends evenly spaced requests (no concurrency cap) from the
+    moment the short run starts until it ends, then waits for those in flight.
+    """
+
+    short_num_prompts: int = 32
+    short_input_len: int = 64
+    short_output_len: int = 128
+    short_max_concurrency: int = 8
+    long_input_len: int = 1500
+    long_output_len: int = 8
+    long_rate: float = 0.25  # requests/s
+    endpoint: str = COMPLETIONS_ENDPOINT
+
+    def __post_init__(self) -> None:
+        _positive(
+            self, "short_num_prompts", "short_input_len", "short_output_len",
+            "short_max_concurrency", "long_input_len", "long_output_len", "long_rate",
+        )  # fmt: skip
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {value}")
+
+
+FULL_MAIN = MainWorkload()
+FULL_MIXED = MixedWorkload()
+# --quick: a smoke run of every code path in a minute or two per server on SmolLM2.
+QUICK_MAIN = MainWorkload(num_prompts=16, input_len=128, output_len=32, max_concurrency=8)
+QUICK_MIXED = MixedWorkload(
+    short_num_prompts=8, short_input_len=64, short_output_len=32, short_max_concurrency=4,
+    long_input_len=512, long_output_len=8, long_rate=0.5,
+)  # fmt: skip
+
+
+def workloads_for(quick: bool) -> tuple[MainWorkload, MixedWorkload]:
+    """(main, mixed) at full or ``--quick`` size."""
+    return (QUICK_MAIN, QUICK_MIXED) if quick else (FULL_MAIN, FULL_MIXED)
