@@ -37,14 +37,25 @@ if TYPE_CHECKING:
 RECORDED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 
-def _best_seconds(fn: Callable[[], Any], reps: int) -> float:
-    """Smallest wall time of ``reps`` calls of ``fn`` after one warm-up call."""
+# Keep repeating a measurement for at least this long (s): on a shared machine a short window
+# without other tenants is likelier to fall inside a longer one.
+MIN_MEASURE_S = 0.25
+
+
+def _best_seconds(fn: Callable[[], Any], reps: int, min_total_s: float = MIN_MEASURE_S) -> float:
+    """Smallest wall time of ``fn`` over at least ``reps`` calls (after one warm-up call),
+    repeating until ``min_total_s`` seconds were spent or ``20 * reps`` calls were made."""
     fn()
     best = float("inf")
-    for _ in range(max(1, reps)):
+    spent = 0.0
+    calls = 0
+    while calls < max(1, reps) or (spent < min_total_s and calls < 20 * max(1, reps)):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        spent += dt
+        calls += 1
     return best
 
 

@@ -2,7 +2,7 @@
 
 Run as a separate process (so its timing is not disturbed by the benchmark's event loop):
 
-    python fake_openai.py SCRIPT.json        # prints "PORT <n>" once listening on 127.0.0.1
+    python fake_openai.py SCRIPT.json [PORT]  # prints "PORT <n>" once listening on 127.0.0.1
 
 SCRIPT.json maps a case id to its behaviour; a request picks its case from the first word of its
 prompt (completions) or last message (chat), ``case:<id>``; anything else uses case ``default``.
@@ -16,7 +16,7 @@ prompt (completions) or last message (chat), ``case:<id>``; anything else uses c
 Chunk k (0-based) is written at ``t_request + ttft_ms + sum(itl_ms[:k])`` (absolute deadlines, so
 sleep error does not accumulate); ``time.sleep`` in a thread per request is precise to well under
 a millisecond, unlike an event loop whose timers round to milliseconds. ``GET /v1/models`` lists
-the model ``fake-model``.
+the model ``fake-model``; ``GET /health`` answers 200. PORT (default 0) picks the port.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        elif self.path == "/health":
+            self._json(200, {})
         elif self.path == "/log":
             with LOG_LOCK:
                 self._json(200, LOG)
@@ -149,7 +151,8 @@ class Server(ThreadingHTTPServer):
 def main() -> None:
     with open(sys.argv[1]) as f:
         SCRIPT.update(json.load(f))
-    server = Server(("127.0.0.1", 0), Handler)
+    port = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    server = Server(("127.0.0.1", port), Handler)
     print(f"PORT {server.server_address[1]}", flush=True)
     server.serve_forever()
 

@@ -53,6 +53,11 @@ def fmt_pair(a: float | None, b: float | None) -> str:
     return f"{fmt_ms(a)} / {fmt_ms(b)}"
 
 
+def fmt_s(v: float) -> str:
+    """Seconds: two decimals below 10 s, else whole seconds."""
+    return f"{v:.2f}" if v < 10 else f"{v:.0f}"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, None when either is missing or b is 0."""
     if a is None or b is None or b == 0:
@@ -104,7 +109,7 @@ def machine_section(summary: dict[str, Any]) -> list[str]:
     ]
     lin = [r for r in m.get("linears", []) if r["threads"] == m["threads"]]
     if lin:
-        parts = [f"{r['name']} m={r['m']} {r['gflops']:.0f}" for r in lin]
+        parts = [f"{r['name']} m={r['m']} {r['gflops']:.3g}" for r in lin]
         lines.append(f"- model matmuls ({m['threads']} thr, GFLOP/s): " + ", ".join(parts))
     lines.append(
         f"- floors use the best all-thread rates: {m['peak_gflops']:.0f} GFLOP/s and "
@@ -144,8 +149,8 @@ def main_section(summary: dict[str, Any], runs: Runs) -> list[str]:
         if not f:
             return "-"
         over = f.get("duration_over_floor")
-        return (f"{f['arithmetic_s']:.1f} / {f['memory_s']:.1f} s ({f['bound']}); "
-                f"{over:.1f}x" if over else "-")  # fmt: skip
+        over_text = f"{over:.1f}x" if over else "-"
+        return f"{fmt_s(f['arithmetic_s'])} / {fmt_s(f['memory_s'])} s ({f['bound']}); {over_text}"
 
     rows = [
         [f"{head}: output tok/s (duration)"]
@@ -273,8 +278,8 @@ def floors_section(summary: dict[str, Any]) -> list[str]:
         rows.append([
             SERVER_TITLES.get(r["server"], r["server"]),
             r["run"] + ("" if r["client"] == "pdserve" else f" ({r['client']} client)"),
-            f"{f['duration_s']:.1f}", f"{f['flops'] / 1e12:.2f}", f"{f['arithmetic_s']:.2f}",
-            f"{f['bytes_read'] / 1e9:.1f}", f"{f['decode_steps']}", f"{f['memory_s']:.2f}",
+            fmt_s(f["duration_s"]), f"{f['flops'] / 1e12:.3g}", fmt_s(f["arithmetic_s"]),
+            f"{f['bytes_read'] / 1e9:.3g}", f"{f['decode_steps']}", fmt_s(f["memory_s"]),
             f"{over:.1f}x" if over else "-",
         ])  # fmt: skip
     if not rows:

@@ -1,0 +1,86 @@
+"""Mixed traffic (pdserve.bench.suite.mixed) against the scripted fake server: both clients start
+together, the long client stops sending when the short run ends and waits for what it sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import FakeServer
+
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.serve import BenchConfig
+from pdserve.bench.suite.mixed import LongPrompts, run_mixed, run_paced_until
+from pdserve.bench.word_tokenizer import WordTokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+# short: first token at 20 ms, then 9 more 30 ms apart (~290 ms each); long: 400 ms to the first
+# token (a long prefill), then 7 more 10 ms apart.
+SCRIPT = {
+    "short": {"ttft_ms": 20, "itl_ms": [30] * 9},
+    "long": {"ttft_ms": 400, "itl_ms": [10] * 7},
+}
+
+
+def _shorts(n: int) -> list[SampleRequest]:
+    return [SampleRequest(f"case:short q{i}", 3, 10, label="short") for i in range(n)]
+
+
+def _long(i: int) -> SampleRequest:
+    return SampleRequest(f"case:long document {i}", 4, 8, label="long")
+
+
+def _configs(url: str) -> tuple[BenchConfig, BenchConfig]:
+    common: dict[str, Any] = dict(base_url=url, model="fake-model", disable_tqdm=True,
+                                  ignore_eos=True, percentiles=(50.0, 99.0))  # fmt: skip
+    short = BenchConfig(**common, max_concurrency=2, label="short mixed")
+    long = BenchConfig(**common, request_rate=5.0, label="long mixed")
+    return short, long
+
+
+def test_long_client_runs_beside_the_short_run_and_stops_with_it(
+    fake_server: Callable[[dict[str, Any]], FakeServer],
+) -> None:
+    server = fake_server(SCRIPT)
+    short_cfg, long_cfg = _configs(server.base_url)
+    longs = LongPrompts([_long(0), _long(1)], _long)  # the rest are built during the run
+    short, long = asyncio.run(run_mixed(short_cfg, _shorts(8), long_cfg, longs, WordTokenizer()))
+
+    assert short.metrics.completed == 8 and short.metrics.failed == 0  # no warm-up was sent
+    # the short run takes 4 waves x ~290 ms: at 5/s the long client sends about 6 prompts
+    assert 3 <= len(long.requests) <= 10
+    assert long.metrics.completed == len(long.requests) and long.metrics.failed == 0
+    assert longs.made_late == len(long.requests) - 2 + 1  # one more prepared for the next tick
+    log = server.log()
+    shorts = [r for r in log if r["case"] == "short"]
+    longs_sent = [r for r in log if r["case"] == "long"]
+    assert len(shorts) == 8 and len(longs_sent) == len(long.requests)
+    short_end = max(r["chunk_times"][-1] for r in shorts)
+    first_short = min(r["t_request"] for r in shorts)
+    # both started together; no long prompt was sent after the short run ended
+    assert abs(min(r["t_request"] for r in longs_sent) - first_short) < 0.1
+    assert max(r["t_request"] for r in longs_sent) <= short_end + 0.05
+    gaps = sorted(
+        b["t_request"] - a["t_request"] for a, b in zip(longs_sent, longs_sent[1:], strict=False)
+    )
+    assert abs(gaps[len(gaps) // 2] - 0.2) < 0.05  # evenly spaced at 5/s
+    # every long prompt was waited for: its first token 400 ms after it was sent
+    assert long.metrics.stats["ttft"].mean >= 390
+    assert long.config.request_rate == 5.0 and long.model == "fake-model"
+
+
+def test_paced_client_needs_a_rate_and_a_model(
+    fake_server: Callable[[dict[str, Any]], FakeServer],
+) -> None:
+    server = fake_server(SCRIPT)
+    _, long_cfg = _configs(server.base_url)
+    stop = asyncio.Event()
+    prompts = LongPrompts([], _long)
+    with pytest.raises(ValueError, match="finite request rate"):
+        asyncio.run(run_paced_until(BenchConfig(base_url=server.base_url, model="m"), prompts,
+                                    stop))  # fmt: skip
+    with pytest.raises(ValueError, match="config.model"):
+        asyncio.run(run_paced_until(BenchConfig(request_rate=1.0), prompts, stop))
