@@ -12,14 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.bench.suite.records import (
-    RUN_LONG_MIXED,
-    RUN_MAIN,
-    RUN_MAIN_PEER_CLIENT,
-    RUN_MIXED_BOTH,
-    RUN_SHORT_ALONE,
-    RUN_SHORT_MIXED,
-)
+from pdserve.bench.suite import records as rec
 
 SERVER_ORDER = ("vllm", "pdserve-disaggregated", "pdserve-unified")
 SERVER_TITLES = {
@@ -123,7 +116,7 @@ def _with_ratio(text: str, r: float | None) -> str:
 
 
 def main_section(summary: dict[str, Any], runs: Runs) -> list[str]:
-    servers = [s for s in runs.servers if runs.has(s, RUN_MAIN)]
+    servers = [s for s in runs.servers if runs.has(s, rec.RUN_MAIN)]
     if not servers:
         return []
     w = summary["config"]["main_workload"]
@@ -132,20 +125,20 @@ def main_section(summary: dict[str, Any], runs: Runs) -> list[str]:
     peer = PEER if PEER in servers else None
 
     def cell(server: str, key: str, pair: str | None = None, tput: bool = False) -> str:
-        v = runs.get(server, RUN_MAIN, key)
+        v = runs.get(server, rec.RUN_MAIN, key)
         if tput:
-            d = runs.get(server, RUN_MAIN, "duration")
+            d = runs.get(server, rec.RUN_MAIN, "duration")
             text = f"{v:.1f} ({d:.0f} s)" if v is not None and d is not None else "-"
         elif pair:
-            text = fmt_pair(v, runs.get(server, RUN_MAIN, pair))
+            text = fmt_pair(v, runs.get(server, rec.RUN_MAIN, pair))
         else:
             text = fmt_ms(v)
         if peer and server != peer and (tput or key == "p99_tpot_ms"):
-            return _with_ratio(text, ratio(v, runs.get(peer, RUN_MAIN, key)))
+            return _with_ratio(text, ratio(v, runs.get(peer, rec.RUN_MAIN, key)))
         return text
 
     def floor_cell(server: str) -> str:
-        f = runs.floors(server, RUN_MAIN)
+        f = runs.floors(server, rec.RUN_MAIN)
         if not f:
             return "-"
         over = f.get("duration_over_floor")
@@ -166,7 +159,7 @@ def main_section(summary: dict[str, Any], runs: Runs) -> list[str]:
 
 
 def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
-    servers = [s for s in runs.servers if runs.has(s, RUN_SHORT_MIXED)]
+    servers = [s for s in runs.servers if runs.has(s, rec.RUN_SHORT_MIXED)]
     if not servers:
         return []
     header = ["short requests"]
@@ -175,23 +168,25 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
     g = runs.get
 
     def both(fn: Any) -> list[str]:
-        return [c for s in servers for c in (fn(s, RUN_SHORT_ALONE), fn(s, RUN_SHORT_MIXED))]
+        return [
+            c for s in servers for c in (fn(s, rec.RUN_SHORT_ALONE), fn(s, rec.RUN_SHORT_MIXED))
+        ]
 
     def itl(s: str, run: str) -> str:
         text = fmt_pair(g(s, run, "median_itl_ms"), g(s, run, "p99_itl_ms"))
-        if run == RUN_SHORT_MIXED:
-            r = ratio(g(s, run, "p99_itl_ms"), g(s, RUN_SHORT_ALONE, "p99_itl_ms"))
+        if run == rec.RUN_SHORT_MIXED:
+            r = ratio(g(s, run, "p99_itl_ms"), g(s, rec.RUN_SHORT_ALONE, "p99_itl_ms"))
             return f"{text} ({r:.1f}x)" if r is not None else text
         return text
 
     def long_cell(s: str, run: str, fn: Any) -> str:
-        return fn(s) if run == RUN_SHORT_MIXED else "-"
+        return fn(s) if run == rec.RUN_SHORT_MIXED else "-"
 
     def long_count(s: str) -> str:
-        rec = runs.by_key.get((s, RUN_LONG_MIXED))
-        if not rec:
+        long = runs.by_key.get((s, rec.RUN_LONG_MIXED))
+        if not long:
             return "-"
-        done, failed = rec["summary"].get("completed", 0), rec["summary"].get("failed", 0)
+        done, failed = long["summary"].get("completed", 0), long["summary"].get("failed", 0)
         return f"{done + failed} sent, {done} completed"
 
     rows = [
@@ -202,9 +197,9 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
         ["short run duration"] + both(lambda s, r: f"{g(s, r, 'duration') or 0:.0f} s"),
         ["long prompts"] + both(lambda s, r: long_cell(s, r, long_count)),
         ["long: mean / p99 TTFT"] + both(lambda s, r: long_cell(s, r, lambda x: fmt_pair(
-            g(x, RUN_LONG_MIXED, "mean_ttft_ms"), g(x, RUN_LONG_MIXED, "p99_ttft_ms")))),
+            g(x, rec.RUN_LONG_MIXED, "mean_ttft_ms"), g(x, rec.RUN_LONG_MIXED, "p99_ttft_ms")))),
         ["long: mean / p99 E2EL"] + both(lambda s, r: long_cell(s, r, lambda x: fmt_pair(
-            g(x, RUN_LONG_MIXED, "mean_e2el_ms"), g(x, RUN_LONG_MIXED, "p99_e2el_ms")))),
+            g(x, rec.RUN_LONG_MIXED, "mean_e2el_ms"), g(x, rec.RUN_LONG_MIXED, "p99_e2el_ms")))),
     ]  # fmt: skip
     w = summary["config"]["mixed_workload"]
     intro = (
@@ -217,6 +212,10 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
     return [intro, "", *_table(header, rows)]
 
 
+def _check(server: str, what: str, shown: str, goal: str, ok: bool) -> str:
+    return f"- {server}: {what} {shown} (goal {goal}): {'met' if ok else 'not met'}"
+
+
 def goals_section(runs: Runs) -> list[str]:
     """Issue 15's goals, where vLLM ran in the same suite."""
     if PEER not in runs.servers:
@@ -226,35 +225,35 @@ def goals_section(runs: Runs) -> list[str]:
     for s in runs.servers:
         if s == PEER:
             continue
-        r = ratio(g(s, RUN_MAIN, "output_throughput"), g(PEER, RUN_MAIN, "output_throughput"))
+        r = ratio(
+            g(s, rec.RUN_MAIN, "output_throughput"), g(PEER, rec.RUN_MAIN, "output_throughput")
+        )
         if r is not None:
-            ok = "met" if r >= GOAL_THROUGHPUT_RATIO else "not met"
-            lines.append(f"- {s}: main output throughput {r:.2f}x vLLM's "
-                         f"(goal >= {GOAL_THROUGHPUT_RATIO:g}x): {ok}")  # fmt: skip
-        a, b = g(s, RUN_MAIN, "p99_tpot_ms"), g(PEER, RUN_MAIN, "p99_tpot_ms")
-        if a is not None and b is not None:
-            lines.append(f"- {s}: main p99 TPOT {fmt_ms(a)} vs vLLM {fmt_ms(b)} (goal below): "
-                         f"{'met' if a < b else 'not met'}")  # fmt: skip
-        r = ratio(g(s, RUN_SHORT_MIXED, "p99_itl_ms"), g(s, RUN_SHORT_ALONE, "p99_itl_ms"))
+            lines.append(_check(s, "main output throughput", f"{r:.2f}x vLLM's",
+                                f">= {GOAL_THROUGHPUT_RATIO:g}x", r >= GOAL_THROUGHPUT_RATIO))  # fmt: skip
+        r = ratio(g(s, rec.RUN_SHORT_MIXED, "p99_itl_ms"), g(s, rec.RUN_SHORT_ALONE, "p99_itl_ms"))
         if r is not None:
-            ok = "met" if r <= GOAL_ITL_RATIO else "not met"
-            lines.append(f"- {s}: short p99 ITL mixed / alone {r:.2f}x "
-                         f"(goal <= {GOAL_ITL_RATIO:g}x): {ok}")  # fmt: skip
-        a, b = g(s, RUN_SHORT_MIXED, "mean_ttft_ms"), g(PEER, RUN_SHORT_MIXED, "mean_ttft_ms")
-        if a is not None and b is not None:
-            lines.append(f"- {s}: short mean TTFT mixed {fmt_ms(a)} vs vLLM {fmt_ms(b)} "
-                         f"(goal below): {'met' if a < b else 'not met'}")  # fmt: skip
+            lines.append(_check(s, "short p99 ITL mixed / alone", f"{r:.2f}x",
+                                f"<= {GOAL_ITL_RATIO:g}x", r <= GOAL_ITL_RATIO))  # fmt: skip
+        for what, run, key in (("main p99 TPOT", rec.RUN_MAIN, "p99_tpot_ms"),
+                               ("short mean TTFT mixed", rec.RUN_SHORT_MIXED, "mean_ttft_ms")):  # fmt: skip
+            a, b = g(s, run, key), g(PEER, run, key)
+            if a is not None and b is not None:
+                lines.append(_check(s, what, f"{fmt_ms(a)} vs vLLM {fmt_ms(b)}", "below", a < b))
     return lines
 
 
 def clients_section(runs: Runs) -> list[str]:
     """Our client and vLLM's on the main workload against the same servers."""
-    servers = [s for s in runs.servers if runs.has(s, RUN_MAIN_PEER_CLIENT)]
+    servers = [s for s in runs.servers if runs.has(s, rec.RUN_MAIN_PEER_CLIENT)]
     if not servers:
         return []
     rows = []
     for s in servers:
-        for run, client in ((RUN_MAIN, "pdserve bench"), (RUN_MAIN_PEER_CLIENT, "vllm bench")):
+        for run, client in (
+            (rec.RUN_MAIN, "pdserve bench"),
+            (rec.RUN_MAIN_PEER_CLIENT, "vllm bench"),
+        ):
             g = runs.get
             rows.append([
                 SERVER_TITLES.get(s, s), client,
@@ -310,7 +309,7 @@ def render_report(summary: dict[str, Any]) -> str:
         ("Mixed workload", mixed_section(summary, runs)),
         ("Goals (issue 15)", goals_section(runs)),
         ("Clients compared (main workload)", clients_section(runs)),
-        (f"Floors ({RUN_MIXED_BOTH}: short + long work of the mixed run, whole span)",
+        (f"Floors ({rec.RUN_MIXED_BOTH}: short + long work of the mixed run, whole span)",
          floors_section(summary)),
     )  # fmt: skip
     for title, body in sections:
