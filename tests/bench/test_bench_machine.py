@@ -54,8 +54,9 @@ def test_measure_machine_records_every_rate() -> None:
     every = [*rates.matmul_gflops.values(), *rates.copy_gbs.values()]
     every += [r.gflops for r in rates.linears]
     assert all(math.isfinite(v) and v > 0 for v in every)
-    assert rates.peak_gflops >= rates.matmul_gflops[threads]
-    assert rates.peak_copy_gbs == rates.copy_gbs[threads]
+    assert rates.peak_gflops == max([*rates.matmul_gflops.values(),
+                                     *(r.gflops for r in rates.linears)])  # fmt: skip
+    assert rates.peak_copy_gbs == max(rates.copy_gbs.values())
     assert torch.get_num_threads() == threads  # restored after the one-thread pass
     doc = json.loads(json.dumps(rates.to_dict()))
     assert doc["dtype"] == "float32" and doc["peak_gflops"] == rates.peak_gflops

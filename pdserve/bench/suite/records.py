@@ -96,7 +96,7 @@ def floors_for(
     duration_s: float,
 ) -> dict[str, Any]:
     """The floors of a run of ``lengths`` requests (at most ``max_batch`` in flight) against the
-    machine's all-thread rates, with ``duration_s`` and ``duration_over_floor``."""
+    machine's best measured rates, with ``duration_s`` and ``duration_over_floor``."""
     floors = run_floors(cost, lengths, max_batch, machine.peak_gflops, machine.peak_copy_gbs)
     doc = floors.to_dict()
     doc["duration_s"] = duration_s

@@ -105,7 +105,7 @@ def machine_section(summary: dict[str, Any]) -> list[str]:
         parts = [f"{r['name']} m={r['m']} {r['gflops']:.3g}" for r in lin]
         lines.append(f"- model matmuls ({m['threads']} thr, GFLOP/s): " + ", ".join(parts))
     lines.append(
-        f"- floors use the best all-thread rates: {m['peak_gflops']:.0f} GFLOP/s and "
+        f"- floors use the best rates measured: {m['peak_gflops']:.0f} GFLOP/s and "
         f"{m['peak_copy_gbs']:.1f} GB/s"
     )
     return lines
