@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,14 @@ from typing import Any
 
 import pytest
 
+from pdserve.bench.datasets import random_requests
 from pdserve.bench.report import load_result
 from pdserve.bench.suite.runner import SuiteConfig, run_suite
 from pdserve.bench.suite.vllm_peer import VllmPeer
+from pdserve.bench.suite.workloads import QUICK_MAIN, SEED_MAIN
+from pdserve.bench.word_tokenizer import WordTokenizer
+from pdserve.cli import build_parser
+from pdserve.commands.bench import build_requests
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +136,24 @@ def test_suite_against_a_fake_peer(tmp_path: Path) -> None:
         assert section in text
     assert "| workload | vLLM |" in text and "| vllm bench |" in text
     assert any("vllm main (pdserve client): 16 ok / 0 failed" in line for line in lines)
+    commands = summary["servers"]["vllm"]["client_commands"]
+    assert len(commands) == 4 and "bench --backend openai-chat" in commands[1]
+    assert all(f"`{c}`" in text for c in commands)
+    # the printed `pdserve bench serve` line rebuilds exactly the prompts the suite sent
+    argv = shlex.split(commands[0])
+    assert argv[:3] == ["pdserve", "bench", "serve"]
+    args = build_parser(argv[1:]).parse_args(argv[1:])
+    rebuilt = build_requests(args, WordTokenizer())
+    w = QUICK_MAIN  # the suite's prompts, built as Suite.prepare builds them
+    suite_prompts = random_requests(
+        WordTokenizer(), w.num_prompts, w.input_len, w.output_len, seed=0 + SEED_MAIN
+    )
+    assert [r.prompt for r in rebuilt] == [r.prompt for r in suite_prompts]
+    assert [r.output_len for r in rebuilt] == [32] * 16
+    assert args.ignore_eos and args.max_concurrency == 8 and args.seed == 0
+    short_argv = shlex.split(commands[2])[1:]
+    short = build_requests(build_parser(short_argv).parse_args(short_argv), WordTokenizer())
+    assert len(short) == 8 and {r.prompt for r in short}.isdisjoint(r.prompt for r in rebuilt)
 
 
 def test_a_failing_server_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shlex
 import subprocess
 import time
 import urllib.request
@@ -201,6 +202,15 @@ class Suite:
         finally:
             info["exit_code"] = server.stop()
 
+    def _our_client(self, spec: ServerSpec, flags: list[str]) -> str:
+        """The ``pdserve bench serve`` command equivalent to a run the suite makes in-process."""
+        tok = self.cfg.tokenizer or self.cfg.model
+        return shlex.join(["pdserve", "bench", "serve", "--base-url", spec.base_url,
+                           "--tokenizer", tok, *flags])  # fmt: skip
+
+    def _client_command(self, spec: ServerSpec, command: str) -> None:
+        self.servers[spec.name].setdefault("client_commands", []).append(command)
+
     def _config(self, spec: ServerSpec, model: str, label: str, **kw: Any) -> BenchConfig:
         return BenchConfig(
             base_url=spec.base_url, model=model, ignore_eos=True, percentiles=PERCENTILES,
@@ -237,18 +247,19 @@ class Suite:
         config = self._config(spec, model, spec.name, endpoint=w.endpoint,
                               max_concurrency=w.max_concurrency, seed=self.cfg.seed)  # fmt: skip
         self.echo(f"{spec.name}: main workload ({w.num_prompts} prompts)")
+        self._client_command(spec, self._our_client(spec, wl.main_flags(w, self.cfg.seed)))
         result = asyncio.run(run_benchmark(config, self.inputs.main, self.inputs.tokenizer))
         self._record(spec, RUN_MAIN, "pdserve", self._save(result, spec, RUN_MAIN),
                      w.max_concurrency)  # fmt: skip
         if self.cfg.peer is not None:
             self.echo(f"{spec.name}: main workload, vLLM's client")
             path = self.out / "runs" / f"{spec.name}-{RUN_MAIN_PEER_CLIENT}.json"
-            doc = self.cfg.peer.bench_main(
-                spec.base_url, model, w, self.cfg.seed + wl.SEED_MAIN_PEER_CLIENT,
-                f"{spec.name} (vllm client)", path,
-                self.out / "logs" / f"{spec.name}-{RUN_MAIN_PEER_CLIENT}.log",
-                self.cfg.request_timeout_s,
-            )  # fmt: skip
+            peer = self.cfg.peer
+            argv = peer.bench_argv(spec.base_url, model, w, self.cfg.seed + wl.SEED_MAIN_PEER_CLIENT,
+                                   f"{spec.name} (vllm client)", path)  # fmt: skip
+            self._client_command(spec, shlex.join(argv))
+            log = self.out / "logs" / f"{spec.name}-{RUN_MAIN_PEER_CLIENT}.log"
+            doc = peer.run_bench(argv, path, log, self.cfg.request_timeout_s)
             self._record(spec, RUN_MAIN_PEER_CLIENT, "vllm", doc, w.max_concurrency)
 
     def _mixed(self, spec: ServerSpec, model: str) -> None:
@@ -257,6 +268,10 @@ class Suite:
         short = self._config(spec, model, f"{spec.name} short alone", endpoint=w.endpoint,
                              max_concurrency=w.short_max_concurrency)  # fmt: skip
         self.echo(f"{spec.name}: short requests alone ({w.short_num_prompts})")
+        seed = self.cfg.seed
+        self._client_command(
+            spec, self._our_client(spec, wl.short_flags(w, seed + wl.SEED_SHORT_ALONE))
+        )
         alone = asyncio.run(run_benchmark(short, self.inputs.short_alone, self.inputs.tokenizer))
         alone_doc = self._save(alone, spec, RUN_SHORT_ALONE)
         self._record(spec, RUN_SHORT_ALONE, "pdserve", alone_doc, w.short_max_concurrency)
@@ -270,6 +285,11 @@ class Suite:
         mixed_cfg = self._config(spec, model, f"{spec.name} short mixed", endpoint=w.endpoint,
                                  max_concurrency=w.short_max_concurrency)  # fmt: skip
         self.echo(f"{spec.name}: short requests beside long prompts at {w.long_rate:g}/s")
+        self._client_command(
+            spec, self._our_client(spec, wl.short_flags(w, seed + wl.SEED_SHORT_MIXED, 0))
+            + f"   # at once: long prompts, random {w.long_input_len} in / {w.long_output_len} "
+            f"out, evenly at {w.long_rate:g}/s from a second client until this run ends",
+        )  # fmt: skip
         short_res, long_res = asyncio.run(
             run_mixed(mixed_cfg, self.inputs.short_mixed, long_cfg, longs, self.inputs.tokenizer)
         )

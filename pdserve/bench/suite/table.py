@@ -324,6 +324,7 @@ def render_report(summary: dict[str, Any]) -> str:
         out += ["", "## Commands", ""]
         for name, info in summary["servers"].items():
             out.append(f"- {name}: `{' '.join(info['command'])}`")
+            out += [f"  - `{c}`" for c in info.get("client_commands", [])]
     if summary.get("errors"):
         out += ["", "## Errors", "", *[f"- {e}" for e in summary["errors"]]]
     return "\n".join(out) + "\n"

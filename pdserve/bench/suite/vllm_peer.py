@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.suite.servers import ServerSpec, free_port
-from pdserve.bench.suite.workloads import MainWorkload
+from pdserve.bench.suite.workloads import MainWorkload, main_flags
 
 PEER_ENV = "PDSERVE_VLLM_PEER"
 DEFAULT_PEER = Path("..") / "shared" / "peers" / "vllm-cpu.sh"
@@ -65,41 +65,28 @@ class VllmPeer:
             raise PeerError(f"{self.script} hf failed: {e}") from e
         return out.stdout.strip()
 
-    def bench_main(
-        self,
-        base_url: str,
-        model: str,
-        workload: MainWorkload,
-        seed: int,
-        label: str,
+    def bench_argv(
+        self, base_url: str, model: str, workload: MainWorkload, seed: int, label: str,
         result_path: Path,
-        log_path: Path,
-        timeout_s: float,
-    ) -> dict[str, Any]:
-        """vLLM's client on the main workload against ``base_url``; returns its result JSON.
-
-        Same dataset shape, concurrency, endpoint and ``ignore_eos`` as our client; percentiles
-        50/90/99 of TTFT/TPOT/ITL/E2EL; per-request arrays kept (``--save-detailed``) so
-        ``pdserve bench plot`` can draw it. Raises PeerError (non-zero exit, timeout, no file),
-        naming the log.
-        """
+    ) -> list[str]:  # fmt: skip
+        """vLLM's client command for the main workload: the flags our client takes too
+        (:func:`pdserve.bench.suite.workloads.main_flags`), plus its backend, the HF tokenizer,
+        and ``--save-detailed`` so the file holds per-request arrays for ``pdserve bench plot``.
+        Raises PeerError when the script cannot name its tokenizer."""
         chat = workload.endpoint.endswith("chat/completions")
-        argv = [
-            str(self.script), "bench",
-            "--backend", "openai-chat" if chat else "openai",
-            "--base-url", base_url, "--endpoint", workload.endpoint,
-            "--model", model, "--tokenizer", self.hf_dir(),
-            "--dataset-name", "random",
-            "--random-input-len", str(workload.input_len),
-            "--random-output-len", str(workload.output_len),
-            "--num-prompts", str(workload.num_prompts),
-            "--max-concurrency", str(workload.max_concurrency),
-            "--ignore-eos", "--seed", str(seed), "--num-warmups", "1",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--label", label, "--disable-tqdm",
+        return [
+            str(self.script), "bench", "--backend", "openai-chat" if chat else "openai",
+            "--base-url", base_url, "--model", model, "--tokenizer", self.hf_dir(),
+            *main_flags(workload, seed), "--label", label, "--disable-tqdm",
             "--save-result", "--save-detailed",
             "--result-dir", str(result_path.parent), "--result-filename", result_path.name,
         ]  # fmt: skip
+
+    def run_bench(
+        self, argv: list[str], result_path: Path, log_path: Path, timeout_s: float
+    ) -> dict[str, Any]:
+        """Run a :meth:`bench_argv` command; returns the result JSON it wrote. Raises PeerError
+        (non-zero exit, timeout, no file), naming the log."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
             try:

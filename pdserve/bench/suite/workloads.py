@@ -83,6 +83,38 @@ QUICK_MIXED = MixedWorkload(
 )  # fmt: skip
 
 
+def client_flags(
+    endpoint: str,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    max_concurrency: int,
+    seed: int,
+    num_warmups: int = 1,
+) -> list[str]:
+    """Flags of a closed-loop ``random`` run, spelled as both ``pdserve bench serve`` and
+    ``vllm bench serve`` take them (ignore_eos, percentiles 50/90/99 of every metric)."""
+    return [
+        "--endpoint", endpoint, "--dataset-name", "random",
+        "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+        "--num-prompts", str(num_prompts), "--max-concurrency", str(max_concurrency),
+        "--ignore-eos", "--seed", str(seed), "--num-warmups", str(num_warmups),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+    ]  # fmt: skip
+
+
+def main_flags(w: MainWorkload, seed: int) -> list[str]:
+    """:func:`client_flags` of the main workload."""
+    return client_flags(w.endpoint, w.input_len, w.output_len, w.num_prompts,
+                        w.max_concurrency, seed)  # fmt: skip
+
+
+def short_flags(w: MixedWorkload, seed: int, num_warmups: int = 1) -> list[str]:
+    """:func:`client_flags` of the mixed workload's short requests."""
+    return client_flags(w.endpoint, w.short_input_len, w.short_output_len, w.short_num_prompts,
+                        w.short_max_concurrency, seed, num_warmups)  # fmt: skip
+
+
 def workloads_for(quick: bool) -> tuple[MainWorkload, MixedWorkload]:
     """(main, mixed) at full or ``--quick`` size."""
     return (QUICK_MAIN, QUICK_MIXED) if quick else (FULL_MAIN, FULL_MIXED)
