@@ -4,6 +4,7 @@ together, the long client stops sending when the short run ends and waits for wh
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ from conftest import FakeServer
 
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.serve import BenchConfig
-from pdserve.bench.suite.mixed import LongPrompts, run_mixed, run_paced_until
+from pdserve.bench.suite.mixed import UNFINISHED, LongPrompts, run_mixed, run_paced_until
 from pdserve.bench.word_tokenizer import WordTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,3 +85,22 @@ def test_paced_client_needs_a_rate_and_a_model(
                                     stop))  # fmt: skip
     with pytest.raises(ValueError, match="config.model"):
         asyncio.run(run_paced_until(BenchConfig(request_rate=1.0), prompts, stop))
+
+
+def test_long_requests_still_running_after_the_drain_time_are_cut_off(
+    fake_server: Callable[[dict[str, Any]], FakeServer],
+) -> None:
+    # long prompts take 3 s to their first token; the short run ends after ~0.3 s
+    server = fake_server({**SCRIPT, "long": {"ttft_ms": 3000, "itl_ms": [10] * 7}})
+    short_cfg, long_cfg = _configs(server.base_url)
+    longs = LongPrompts([_long(i) for i in range(8)], _long)
+    t0 = time.perf_counter()
+    short, long = asyncio.run(
+        run_mixed(short_cfg, _shorts(2), long_cfg, longs, WordTokenizer(), drain_s=0.5)
+    )
+    assert time.perf_counter() - t0 < 2.5  # did not wait the 3 s of the long requests
+    assert short.metrics.completed == 2
+    assert long.requests and long.metrics.completed == 0
+    assert long.metrics.failed == len(long.requests)
+    assert all(o.error.startswith(UNFINISHED) and "0.5 s after" in o.error for o in long.outputs)
+    assert all(o.start_time > 0 for o in long.outputs)

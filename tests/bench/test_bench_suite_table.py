@@ -46,12 +46,13 @@ def summary(with_vllm: bool = True) -> dict[str, Any]:
             "pdserve-disaggregated",
             "long-mixed",
             completed=15,
-            failed=1,
+            failed=3,
             mean_ttft_ms=30000.0,
             p99_ttft_ms=52000.0,
             mean_e2el_ms=31000.0,
             p99_e2el_ms=53000.0,
-        ),  # fmt: skip
+        )
+        | {"unfinished": 2},  # fmt: skip
         _run("pdserve-disaggregated", "mixed-both-clients", floors=_floors(70, 1, 3)),
     ]
     if with_vllm:
@@ -124,7 +125,9 @@ def test_mixed_table_shows_starvation() -> None:
         "101 / 136 ms", "91 ms / 1.5 s (11.0x)", "149 / 241 ms", "112 ms / 1.3 s (5.2x)",
     ]  # fmt: skip
     assert _row(text, "mean / p99 TTFT", "Mixed")[-1] == "21.0 / 47.7 s"
-    assert _row(text, "long prompts") == ["-", "-", "-", "16 sent, 15 completed"]
+    assert _row(text, "long prompts") == [
+        "-", "-", "-", "18 sent, 15 completed, 1 failed, 2 cut off unfinished",
+    ]  # fmt: skip
     assert _row(text, "long: mean / p99 E2EL")[-1] == "31.0 / 53.0 s"
 
 

@@ -5,8 +5,11 @@
 - the **short client** is an ordinary closed-loop run (:func:`pdserve.bench.serve.run_benchmark`,
   no warm-up: the server is warm from the runs before);
 - the **long client** (:func:`run_paced_until`) sends long prompt ``i`` at ``t0 + i / rate``
-  (evenly spaced, no concurrency cap) until the short run has finished, then waits for the long
-  requests still in flight, so their TTFT and E2EL show whether they starve.
+  (evenly spaced, no concurrency cap) until the short run has finished, then waits up to
+  ``drain_s`` for the long requests still in flight, so their TTFT and E2EL show whether they
+  starve; any still unfinished then are cancelled (the server aborts them on the disconnect)
+  and count as failed with an error starting :data:`UNFINISHED`, which keeps the run bounded
+  when a server falls behind the long prompts' rate.
 
 Long prompts come from a supplier indexed by ``i`` (a seed per index, so they are distinct and
 reproducible); the ones prepared ahead are used first so that building prompt text does not hold
@@ -37,6 +40,8 @@ from pdserve.bench.serve import (
 )
 from pdserve.bench.word_tokenizer import BenchTokenizer
 
+UNFINISHED = "unfinished"  # error prefix of long requests cancelled after the drain time
+
 
 class LongPrompts:
     """Long prompt ``i`` of a run: ``prepared[i]`` while it lasts, else ``make(i)`` (in a thread)."""
@@ -61,12 +66,14 @@ async def run_paced_until(
     prompts: LongPrompts,
     stop: asyncio.Event,
     tokenizer: BenchTokenizer | None = None,
+    drain_s: float = math.inf,
 ) -> BenchmarkResult:
     """Send ``prompts`` at ``config.request_rate`` per second (evenly spaced, first at once)
-    until ``stop`` is set; then wait for every request sent. ``config.model`` must be set.
+    until ``stop`` is set; then wait up to ``drain_s`` seconds for the requests in flight and
+    cancel the rest (failed, error ``'unfinished ...'``). ``config.model`` must be set.
 
-    The result's duration runs from the first send to the end of the last request. Raises
-    ValueError for an infinite rate or a missing model name.
+    The result's duration runs from the first send to the end of the last completed request.
+    Raises ValueError for an infinite rate or a missing model name.
     """
     if not math.isfinite(config.request_rate):
         raise ValueError("a paced client needs a finite request rate")
@@ -83,7 +90,14 @@ async def run_paced_until(
         async def one(req: SampleRequest) -> RequestOutput:
             payload = build_payload(config.endpoint, name, request_spec(req, config),
                                     config.ignore_eos)  # fmt: skip
-            out = await send_request(session, config.url, payload, req.prompt_len, headers)
+            sent_at = time.perf_counter()
+            try:
+                out = await send_request(session, config.url, payload, req.prompt_len, headers)
+            except asyncio.CancelledError:
+                waited = time.perf_counter() - sent_at
+                return RequestOutput(prompt_len=req.prompt_len, start_time=sent_at,
+                                     error=f"{UNFINISHED} after {waited:.0f} s: cut off "
+                                     f"{drain_s:g} s after the short run ended")  # fmt: skip
             fill_output_tokens(out, tokenizer)
             return out
 
@@ -100,6 +114,10 @@ async def run_paced_until(
                     await asyncio.wait_for(stop.wait(), timeout=delay)
                 except asyncio.TimeoutError:  # the next long prompt is due
                     pass
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_s if drain_s < math.inf else None)
+            for task in pending:
+                task.cancel()
         outputs = list(await asyncio.gather(*tasks))
         ends = [o.start_time + o.latency for o in outputs if o.success]
         duration = max((max(ends) if ends else time.perf_counter()) - t0, 1e-9)
@@ -121,12 +139,14 @@ async def run_mixed(
     long_config: BenchConfig,
     longs: LongPrompts,
     tokenizer: BenchTokenizer | None = None,
+    drain_s: float = math.inf,
 ) -> tuple[BenchmarkResult, BenchmarkResult]:
     """(short run, long run): both clients started together; the long client stops sending when
-    the short run ends. ``long_config.request_rate`` is the long prompts' rate (req/s);
-    ``long_config.model`` must be set. Raises BenchmarkError like a single run."""
+    the short run ends and waits at most ``drain_s`` s for its requests in flight.
+    ``long_config.request_rate`` is the long prompts' rate (req/s); ``long_config.model`` must
+    be set. Raises BenchmarkError like a single run."""
     stop = asyncio.Event()
-    long_task = asyncio.create_task(run_paced_until(long_config, longs, stop, tokenizer))
+    long_task = asyncio.create_task(run_paced_until(long_config, longs, stop, tokenizer, drain_s))
     try:
         short = await run_benchmark(replace(short_config, num_warmups=0), shorts, tokenizer)
     except BaseException:

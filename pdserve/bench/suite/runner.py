@@ -38,7 +38,7 @@ from pdserve.bench.plot import plot_results
 from pdserve.bench.report import result_to_dict, save_result
 from pdserve.bench.serve import BenchConfig, BenchmarkResult, run_benchmark
 from pdserve.bench.suite import workloads as wl
-from pdserve.bench.suite.mixed import LongPrompts, run_mixed
+from pdserve.bench.suite.mixed import UNFINISHED, LongPrompts, run_mixed
 from pdserve.bench.suite.records import (
     RUN_LONG_MIXED,
     RUN_MAIN,
@@ -291,13 +291,15 @@ class Suite:
             f"out, evenly at {w.long_rate:g}/s from a second client until this run ends",
         )  # fmt: skip
         short_res, long_res = asyncio.run(
-            run_mixed(mixed_cfg, self.inputs.short_mixed, long_cfg, longs, self.inputs.tokenizer)
-        )
+            run_mixed(mixed_cfg, self.inputs.short_mixed, long_cfg, longs,
+                      self.inputs.tokenizer, w.long_drain_s)
+        )  # fmt: skip
         short_doc = self._save(short_res, spec, RUN_SHORT_MIXED)
         long_doc = self._save(long_res, spec, RUN_LONG_MIXED)
         self._record(spec, RUN_SHORT_MIXED, "pdserve", short_doc, w.short_max_concurrency)
         rec = self._record(spec, RUN_LONG_MIXED, "pdserve", long_doc, None)
         rec.extra["long_prompts_built_late"] = longs.made_late
+        rec.extra["unfinished"] = sum(1 for e in long_doc["errors"] if e.startswith(UNFINISHED))
         # the floor of everything the server did in the mixed run, against its whole span
         assert self.cost is not None and self.machine is not None
         lengths = completed_lengths(short_doc) + completed_lengths(long_doc)

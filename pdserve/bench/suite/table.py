@@ -187,7 +187,11 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
         if not long:
             return "-"
         done, failed = long["summary"].get("completed", 0), long["summary"].get("failed", 0)
-        return f"{done + failed} sent, {done} completed"
+        cut = long.get("unfinished", 0)
+        text = f"{done + failed} sent, {done} completed"
+        if failed - cut:
+            text += f", {failed - cut} failed"
+        return text + (f", {cut} cut off unfinished" if cut else "")
 
     rows = [
         ["mean TPOT"] + both(lambda s, r: fmt_ms(g(s, r, "mean_tpot_ms"))),
@@ -206,8 +210,9 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
         f"Short requests: {w['short_input_len']} in / {w['short_output_len']} out, "
         f"{w['short_num_prompts']} prompts, concurrency {w['short_max_concurrency']}, "
         f"{w['endpoint']}; mixed: beside {w['long_input_len']}-token prompts "
-        f"({w['long_output_len']} out) at {w['long_rate']:g}/s from a second client. "
-        "(Nx) = p99 ITL mixed / alone."
+        f"({w['long_output_len']} out) at {w['long_rate']:g}/s from a second client, whose "
+        f"requests still unfinished {w.get('long_drain_s', 0):g} s after the short run are cut "
+        "off. (Nx) = p99 ITL mixed / alone."
     )
     return [intro, "", *_table(header, rows)]
 

@@ -5,7 +5,9 @@
 - **mixed**: short requests (64 in / 128 out, 32 prompts, at most 8 in flight, completions
   endpoint, so TTFT and ITL count from the first token on every server) first alone, then again
   while a second client sends 1500-token prompts (8 out) at 0.25/s until the short run ends: how
-  much long prefills stall short requests' decode (ITL) and queue their prefill (TTFT).
+  much long prefills stall short requests' decode (ITL) and queue their prefill (TTFT). Long
+  prompts still unfinished ``long_drain_s`` after the short run ended are cut off and counted
+  (a server that falls behind their rate would otherwise keep the suite waiting).
 
 Every run on one server uses prompts of its own (a seed per run), because a server with prefix
 caching answers a repeated prompt from its cache; the same run on different servers uses the same
@@ -47,7 +49,8 @@ class MixedWorkload:
     """Short closed-loop requests, alone and beside long prompts sent at ``long_rate`` per second.
 
     Lengths in tokens; the long client sends evenly spaced requests (no concurrency cap) from the
-    moment the short run starts until it ends, then waits for those in flight.
+    moment the short run starts until it ends, then waits up to ``long_drain_s`` seconds for
+    those in flight.
     """
 
     short_num_prompts: int = 32
@@ -57,12 +60,14 @@ class MixedWorkload:
     long_input_len: int = 1500
     long_output_len: int = 8
     long_rate: float = 0.25  # requests/s
+    long_drain_s: float = 60.0
     endpoint: str = COMPLETIONS_ENDPOINT
 
     def __post_init__(self) -> None:
         _positive(
             self, "short_num_prompts", "short_input_len", "short_output_len",
             "short_max_concurrency", "long_input_len", "long_output_len", "long_rate",
+            "long_drain_s",
         )  # fmt: skip
 
 
@@ -79,7 +84,7 @@ FULL_MIXED = MixedWorkload()
 QUICK_MAIN = MainWorkload(num_prompts=16, input_len=128, output_len=32, max_concurrency=8)
 QUICK_MIXED = MixedWorkload(
     short_num_prompts=8, short_input_len=64, short_output_len=32, short_max_concurrency=4,
-    long_input_len=512, long_output_len=8, long_rate=0.5,
+    long_input_len=512, long_output_len=8, long_rate=0.5, long_drain_s=30.0,
 )  # fmt: skip
 
 
