@@ -103,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# flags whose value goes to the SuiteConfig field of the same name
+SAME_NAMES = ("model", "load_format", "tokenizer", "modes", "workloads", "mixed_modes", "quick",
+              "seed")  # fmt: skip
+
+
 def resolve_dtype(dtype: str, model: str) -> str:
     """'auto' -> the dtype ``pdserve serve --dtype auto`` would pick on this machine."""
     if dtype != "auto":
@@ -126,18 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         config = SuiteConfig(
             out_dir=Path(out),
             dtype=resolve_dtype(args.dtype, args.model),
-            model=args.model,
-            load_format=args.load_format,
-            tokenizer=args.tokenizer,
-            modes=args.modes,
-            workloads=args.workloads,
-            mixed_modes=args.mixed_modes,
-            quick=args.quick,
             peer=peer,
             serve_args=tuple(args.serve_arg),
-            seed=args.seed,
             ready_timeout_s=args.ready_timeout,
             request_timeout_s=args.request_timeout,
+            **{name: getattr(args, name) for name in SAME_NAMES},
         )
     except ValueError as e:
         print(f"serving_suite: error: {e}", file=sys.stderr)
