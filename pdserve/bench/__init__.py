@@ -8,4 +8,7 @@
 - ``serve``: the load generator (warm-up, arrivals, concurrency limit, progress bar)
 - ``report``: results table, result JSON and its validator
 - ``plot`` / ``sweep``: PNG charts and concurrency/rate sweeps
+- ``machine`` / ``floors``: the machine's measured matmul and copy rates, and a run's hardware
+  floors computed from them
+- ``suite``: the serving suite behind ``make bench`` (bench/serving_suite.py)
 """

@@ -6,5 +6,6 @@ both modes (and vLLM beside it), the main and mixed workloads, floors, a table a
 - ``mixed``: short requests beside a paced stream of long prompts (two clients at once)
 - ``vllm_peer``: the peer script (serve, its own bench client, its HF copy of the weights)
 - ``runner``: the orchestration and the results directory
+- ``records``: one run's headline numbers and floors, read from its result file
 - ``table``: the markdown tables for docs/benchmarks.md
 """
