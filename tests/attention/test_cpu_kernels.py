@@ -1,0 +1,179 @@
+"""The C paged decode kernel against attention by definition (float64) on random paged pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.attention import cpu_kernels
+
+pytestmark = pytest.mark.timeout(300)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    kl = cpu_kernels.load()
+    assert kl.lib is not None, kl.reason  # CI has gcc: a build failure here is a defect
+
+
+class Pool:
+    """Random K/V for sequences of ``lens`` tokens in a pool whose blocks are shuffled (each
+    table out of order, spare blocks holding garbage), plus one query row per sequence."""
+
+    def __init__(
+        self,
+        lens: list[int],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        need = [-(-n // block_size) for n in lens]
+        num_blocks = sum(need) + 3
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables, at = [], 0
+        for nb in need:
+            self.tables.append(perm[at : at + nb])
+            at += nb
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.q = torch.randn(len(lens), heads, head_dim, generator=gen).to(q_dtype)
+        self.lens, self.block_size, self.scale = lens, block_size, head_dim**-0.5
+        width = max(need)
+        self.block_tables = torch.tensor(
+            [t + [num_blocks + 99] * (width - len(t)) for t in self.tables], dtype=torch.int32
+        )  # padding is an invalid block id: the kernel must never read it
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def reference(self, i: int) -> torch.Tensor:
+        """Decode i's attention [heads, head_dim] by definition, in float64."""
+        n, table = self.lens[i], self.tables[i]
+        k = self.k_cache[table].flatten(0, 1)[:n].double()  # [n, kv_heads, D]
+        v = self.v_cache[table].flatten(0, 1)[:n].double()
+        q = self.q[i].double()  # [heads, D]
+        group = q.shape[0] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        probs = (torch.einsum("hd,nhd->hn", q, k) * self.scale).softmax(-1)
+        return torch.einsum("hn,nhd->hd", probs, v)
+
+    def run(self, **kwargs: object) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        cpu_kernels.paged_decode_attention(
+            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, out,
+            self.scale, **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return out
+
+    def error(self, out: torch.Tensor) -> float:
+        """max over decodes of ||out_i - ref_i|| / ||ref_i||."""
+        errs = []
+        for i in range(len(self.lens)):
+            ref = self.reference(i)
+            errs.append(float((out[i].double() - ref).norm() / ref.norm()))
+        return max(errs)
+
+
+def tolerance(q_dtype: torch.dtype) -> float:
+    """fp32 accumulation gives ~1e-6; a half-precision output is rounded once (2^-8 relative)."""
+    return 2e-5 if q_dtype == torch.float32 else 8e-3
+
+
+# lengths: 1 token, block multiples (16, 32, 64), one past and one short of a block, long
+LENS = [1, 16, 17, 31, 64, 203, 1000]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (8, 1, 80, 32), (16, 2, 32, 1), (12, 1, 40, 8)],
+    ids=["gqa3-d64", "mha-d128", "gqa8-d80", "gqa8-d32-bs1", "gqa12-d40-bs8"],
+)
+def test_decode_matches_definition(
+    kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Head sizes with and without a vector-width remainder (40, 80), GQA ratios 1..12 (12 runs
+    in two passes of query heads), block sizes 1..32, one KV dtype = the query dtype."""
+    pool = Pool(LENS, heads, kv_heads, head_dim, block_size, kv_dtype, kv_dtype)
+    assert pool.error(pool.run(num_threads=1)) < tolerance(kv_dtype)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "q_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+    ids=str,
+)
+def test_kv_dtype_may_differ_from_query(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
+    pool = Pool([5, 77], 4, 2, 64, 16, kv_dtype, q_dtype, seed=1)
+    out = pool.run()
+    assert out.dtype == q_dtype and pool.error(out) < tolerance(q_dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8, 100])
+def test_split_k_and_threads_agree(num_splits: int) -> None:
+    """Split-K (including more splits than a short sequence has blocks: empty splits) on 2
+    threads equals the single-pass answer on one thread."""
+    pool = Pool([1, 40, 700, 2047], 6, 2, 64, 16, torch.float32, torch.float32, seed=2)
+    single = pool.run(num_threads=1)
+    assert pool.error(single) < tolerance(torch.float32)
+    split = pool.run(num_splits=num_splits, num_threads=2)
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+
+
+def test_long_context_bf16() -> None:
+    pool = Pool([32768, 3], 4, 1, 64, 16, torch.bfloat16, torch.bfloat16, seed=3)
+    assert pool.error(pool.run(num_splits=4, num_threads=2)) < tolerance(torch.bfloat16)
+
+
+def test_rows_select_decodes_and_leave_other_rows_alone() -> None:
+    """With ``rows`` the kernel reads and writes only those rows of a larger batch."""
+    pool = Pool([9, 30], 4, 2, 32, 4, torch.float32, torch.float32, seed=4)
+    q = torch.randn(5, 4, 32)
+    q[[3, 1]] = pool.q
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode_attention(
+        q, pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens, out, pool.scale,
+        rows=torch.tensor([3, 1]),
+    )  # fmt: skip
+    assert pool.error(out[[3, 1]]) < tolerance(torch.float32)
+    assert out[[0, 2, 4]].isnan().all()
+
+
+def test_int64_tables_and_strided_query_are_accepted() -> None:
+    pool = Pool([12, 3], 4, 2, 32, 4, torch.bfloat16, torch.bfloat16, seed=5)
+    wide = torch.randn(2, 4, 48).bfloat16()
+    wide[:, :, :32] = pool.q
+    q = wide[:, :, :32]  # head stride 48, not contiguous
+    out = torch.empty(2, 4, 32, dtype=torch.bfloat16)
+    cpu_kernels.paged_decode_attention(
+        q, pool.k_cache, pool.v_cache, pool.block_tables.long(), pool.seq_lens.long(), out,
+        pool.scale,
+    )  # fmt: skip
+    assert pool.error(out) < tolerance(torch.bfloat16)
+
+
+def test_bad_arguments_are_named() -> None:
+    pool = Pool([4], 4, 2, 32, 4, torch.float32, torch.float32)
+    out = torch.empty_like(pool.q)
+    args = (pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens)
+    with pytest.raises(ValueError, match="q and out must be"):
+        cpu_kernels.paged_decode_attention(pool.q, *args, out.bfloat16(), pool.scale)
+    with pytest.raises(ValueError, match="does not fit caches"):
+        cpu_kernels.paged_decode_attention(pool.q[:, :3], *args, out[:, :3], pool.scale)
+    with pytest.raises(ValueError, match="dtype torch.int32 is not"):
+        cpu_kernels.paged_decode_attention(pool.q.int(), *args, out.int(), pool.scale)
+    with pytest.raises(ValueError, match="contiguous within each block"):
+        kt = pool.k_cache.transpose(1, 2)
+        cpu_kernels.paged_decode_attention(pool.q, kt, kt, *args[2:], out, pool.scale)
+    with pytest.raises(ValueError, match="rows must be"):
+        cpu_kernels.paged_decode_attention(pool.q, *args, out, pool.scale, rows=torch.tensor([0.0]))

@@ -1,0 +1,81 @@
+"""The cpu_paged backend end to end: mixed batches through the backend interface, its metadata,
+the split-K policy, and a tiny Llama generating the same greedy tokens as with torch_ref."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.attention.base import get_backend
+from pdserve.attention.cpu_paged import MIN_SPLIT_TOKENS, CpuPagedBackend, num_splits
+
+pytestmark = pytest.mark.timeout(180)
+
+CPU = torch.device("cpu")  # the paged_case fixture defaults to the GPU where there is one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mixed_batch_matches_torch_ref(paged_case, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """Decodes (one after a 1-token context), a prefix-cached chunk, a fresh prefill and a
+    one-token prompt in one step: every row equals torch_ref, the pool holds the same K/V."""
+    seqs = [(9, 1), (13, 6), (0, 11), (1, 1), (0, 1), (40, 1)]
+    case = paged_case(seqs, 6, 2, 32, 4, dtype, device=CPU)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    new = case.meta.slot_mapping
+    k_cache.view(-1, 2, 32)[new] = float("nan")  # the backend must write the new K/V itself
+    v_cache.view(-1, 2, 32)[new] = float("nan")
+    backend = get_backend("cpu_paged")
+    assert isinstance(backend, CpuPagedBackend)
+    meta = backend.build_metadata([n for _, n in seqs], [c for c, _ in seqs], case.tables, 4)
+    out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, meta, case.scale)
+    assert not out.isnan().any()
+    assert case.err(out) < case.tolerance
+    assert torch.equal(k_cache, case.k_cache) and torch.equal(v_cache, case.v_cache)
+
+
+def test_decode_only_step_matches_torch_ref(paged_case) -> None:  # noqa: ANN001
+    case = paged_case(
+        [(c, 1) for c in (0, 3, 16, 129, 500)], 8, 2, 64, 16, torch.bfloat16, device=CPU
+    )
+    backend = get_backend("cpu_paged")
+    meta = backend.build_metadata([1] * 5, [0, 3, 16, 129, 500], case.tables, 16)
+    assert meta.decode_rows is None and not meta.prefills
+    out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+    assert case.err(out) < case.tolerance
+
+
+def test_build_metadata() -> None:
+    backend = get_backend("cpu_paged")
+    # a decode, a chunk after cached tokens, a one-token prompt (decoded by the kernel too)
+    meta = backend.build_metadata([1, 3, 1], [4, 2, 0], [[2, 5], [7, 8], [9]], 4)
+    assert meta.num_decodes == 2 and meta.max_decode_seq_len == 5
+    assert meta.decode_rows is not None and meta.decode_rows.tolist() == [0, 4]
+    assert meta.decode_block_tables.dtype == torch.int32
+    assert meta.decode_block_tables.tolist() == [[2, 5], [9, 0]]  # 2 blocks cover 5 tokens
+    assert meta.decode_seq_lens.dtype == torch.int32 and meta.decode_seq_lens.tolist() == [5, 1]
+    (span,) = meta.prefills
+    assert (span.start, span.end, span.num_computed, span.seq_len) == (1, 4, 2, 5)
+    assert meta.positions.tolist() == [4, 2, 3, 4, 0]
+    assert meta.slot_mapping.tolist() == [20, 30, 31, 32, 36]
+    prefill_only = backend.build_metadata([3], [0], [[1]], 4)
+    assert prefill_only.num_decodes == 0 and len(prefill_only.prefills) == 1
+    with pytest.raises(ValueError, match="sequence 0: block table has 1 blocks"):
+        backend.build_metadata([1], [4], [[2]], 4)
+
+
+def test_split_k_policy() -> None:
+    # one thread, or plenty of (sequence, KV head) pairs: no split
+    assert num_splits(1, 3, 32768, 1) == 1
+    assert num_splits(16, 3, 4096, 2) == 1
+    # one long sequence on 4 threads: enough items for every thread
+    assert num_splits(1, 2, 32768, 4) == 8
+    # never splits shorter than MIN_SPLIT_TOKENS
+    assert num_splits(1, 1, MIN_SPLIT_TOKENS * 2, 16) == 2
+    assert num_splits(1, 1, MIN_SPLIT_TOKENS - 1, 16) == 1
+    assert num_splits(0, 4, 0, 8) == 1
+
+
+def test_tiny_llama_greedy_tokens_equal_torch_ref(greedy_tokens) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (21, 5, 9, 1)]
+    assert greedy_tokens("cpu_paged", prompts) == greedy_tokens("torch_ref", prompts)
