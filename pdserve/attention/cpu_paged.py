@@ -23,6 +23,7 @@ import torch
 
 from pdserve.attention import cpu_kernels
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, FlatBatch, register_backend
+from pdserve.attention.cpu_kernels import DecodeBatch
 from pdserve.attention.torch_ref import PrefillSpan, attend_prefills, prefill_spans, write_kv
 from pdserve.config import ConfigError
 
@@ -47,20 +48,13 @@ def num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_threads: i
 class CpuPagedMetadata(AttentionMetadata):
     """The common metadata plus what the decode kernel and the prefill path read (CPU tensors).
 
-    Decode group (sequences with one query token, including one-token prompts):
-      decode_rows:         int64 [num_decodes] their rows in the flat batch, or None when every
-                           row is a decode (row i = decode i).
-      decode_block_tables: int32 [num_decodes, max_decode_blocks] (0-padded, padding never read).
-      decode_seq_lens:     int32 [num_decodes] context length including the new token.
-    Plain ints: ``num_decodes``; ``max_decode_seq_len`` (sizes split-K without a device read).
-    ``prefills``: the other sequences, attended one by one as in torch_ref.
+    ``decode``: the sequences with one query token (decodes, and one-token prompts): their rows,
+    int32 block tables and context lengths, checked once for every layer
+    (:class:`~pdserve.attention.cpu_kernels.DecodeBatch`). ``prefills``: the other sequences,
+    attended one by one as in torch_ref.
     """
 
-    decode_rows: torch.Tensor | None
-    decode_block_tables: torch.Tensor
-    decode_seq_lens: torch.Tensor
-    num_decodes: int
-    max_decode_seq_len: int
+    decode: DecodeBatch
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -86,21 +80,15 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         CpuPagedMetadata). Raises ValueError like :meth:`FlatBatch.build`."""
         b = FlatBatch.build(query_lens, num_computed, block_tables, block_size)
         decode_idx = [i for i in range(b.num_seqs) if b.query_lens[i] == 1]
-        nd = len(decode_idx)
-        if nd == b.num_seqs:
+        if len(decode_idx) == b.num_seqs:
             rows, seq_lens, tables = None, b.seq_lens, b.block_tables
         else:
             idx = torch.tensor(decode_idx, dtype=torch.int64)
             rows, seq_lens, tables = b.query_start_loc[idx], b.seq_lens[idx], b.block_tables[idx]
-        max_len = int(seq_lens.max()) if nd else 0
-        tables = tables[:, : max(1, -(-max_len // block_size))]
+        width = -(-int(seq_lens.max()) // block_size) if decode_idx else 1
         return CpuPagedMetadata(
             **b.common(device),
-            decode_rows=rows,
-            decode_block_tables=tables.to(torch.int32).contiguous(),
-            decode_seq_lens=seq_lens.to(torch.int32),
-            num_decodes=nd,
-            max_decode_seq_len=max_len,
+            decode=DecodeBatch.build(tables[:, :width], seq_lens, block_size, rows),
             prefills=prefill_spans(b, set(decode_idx), device),
         )
 
@@ -116,14 +104,11 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # each row is written by the kernel or by one prefill span
-        if meta.num_decodes:
+        d = meta.decode
+        if d.num_decodes:
             threads = torch.get_num_threads()
-            splits = num_splits(
-                meta.num_decodes, k_cache.shape[2], meta.max_decode_seq_len, threads
-            )
-            cpu_kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, out, scale,
-                rows=meta.decode_rows, num_splits=splits, num_threads=threads,
-            )  # fmt: skip
-        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out, scale)
+            splits = num_splits(d.num_decodes, k_cache.shape[2], d.max_seq_len, threads)
+            cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d, out, scale, splits, threads)
+        if meta.prefills:
+            attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out, scale)
         return out

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdserve.attention import cpu_kernels
+from pdserve.attention.cpu_kernels import DecodeBatch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,11 +64,14 @@ class Pool:
         probs = (torch.einsum("hd,nhd->hn", q, k) * self.scale).softmax(-1)
         return torch.einsum("hn,nhd->hd", probs, v)
 
-    def run(self, **kwargs: object) -> torch.Tensor:
+    def batch(self, rows: torch.Tensor | None = None) -> DecodeBatch:
+        return DecodeBatch.build(self.block_tables, self.seq_lens, self.block_size, rows)
+
+    def run(self, num_splits: int = 1, num_threads: int | None = None) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
         cpu_kernels.paged_decode_attention(
-            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, out,
-            self.scale, **kwargs,  # type: ignore[arg-type]
+            self.q, self.k_cache, self.v_cache, self.batch(), out, self.scale, num_splits,
+            num_threads,
         )  # fmt: skip
         return out
 
@@ -141,10 +145,8 @@ def test_rows_select_decodes_and_leave_other_rows_alone() -> None:
     q = torch.randn(5, 4, 32)
     q[[3, 1]] = pool.q
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode_attention(
-        q, pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens, out, pool.scale,
-        rows=torch.tensor([3, 1]),
-    )  # fmt: skip
+    batch = pool.batch(rows=torch.tensor([3, 1]))
+    cpu_kernels.paged_decode_attention(q, pool.k_cache, pool.v_cache, batch, out, pool.scale)
     assert pool.error(out[[3, 1]]) < tolerance(torch.float32)
     assert out[[0, 2, 4]].isnan().all()
 
@@ -155,25 +157,44 @@ def test_int64_tables_and_strided_query_are_accepted() -> None:
     wide[:, :, :32] = pool.q
     q = wide[:, :, :32]  # head stride 48, not contiguous
     out = torch.empty(2, 4, 32, dtype=torch.bfloat16)
-    cpu_kernels.paged_decode_attention(
-        q, pool.k_cache, pool.v_cache, pool.block_tables.long(), pool.seq_lens.long(), out,
-        pool.scale,
-    )  # fmt: skip
+    batch = DecodeBatch.build(pool.block_tables.long(), pool.seq_lens.long(), 4)
+    assert batch.block_tables.dtype == torch.int32 and batch.seq_lens.dtype == torch.int32
+    cpu_kernels.paged_decode_attention(q, pool.k_cache, pool.v_cache, batch, out, pool.scale)
     assert pool.error(out) < tolerance(torch.bfloat16)
 
 
 def test_bad_arguments_are_named() -> None:
-    pool = Pool([4], 4, 2, 32, 4, torch.float32, torch.float32)
-    out = torch.empty_like(pool.q)
-    args = (pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens)
+    pool = Pool([4, 6], 4, 2, 32, 4, torch.float32, torch.float32)
+    q, kc, vc, batch = pool.q, pool.k_cache, pool.v_cache, pool.batch()
+    out = torch.empty_like(q)
+    run = cpu_kernels.paged_decode_attention
     with pytest.raises(ValueError, match="q and out must be"):
-        cpu_kernels.paged_decode_attention(pool.q, *args, out.bfloat16(), pool.scale)
+        run(q, kc, vc, batch, out.bfloat16(), pool.scale)
     with pytest.raises(ValueError, match="does not fit caches"):
-        cpu_kernels.paged_decode_attention(pool.q[:, :3], *args, out[:, :3], pool.scale)
-    with pytest.raises(ValueError, match="dtype torch.int32 is not"):
-        cpu_kernels.paged_decode_attention(pool.q.int(), *args, out.int(), pool.scale)
+        run(q[:, :3], kc, vc, batch, out[:, :3], pool.scale)
+    with pytest.raises(ValueError, match="only float32, bfloat16, float16"):
+        run(q.int(), kc, vc, batch, out.int(), pool.scale)
     with pytest.raises(ValueError, match="contiguous within each block"):
-        kt = pool.k_cache.transpose(1, 2)
-        cpu_kernels.paged_decode_attention(pool.q, kt, kt, *args[2:], out, pool.scale)
+        run(q, kc.transpose(1, 2), vc.transpose(1, 2), batch, out, pool.scale)
+    with pytest.raises(ValueError, match="caches have blocks of 4, the batch 8"):
+        run(q, kc, vc, DecodeBatch.build(pool.block_tables, pool.seq_lens, 8), out, pool.scale)
+    with pytest.raises(ValueError, match="q has 2 rows, the batch reads 2 decodes"):
+        run(q, kc, vc, pool.batch(rows=torch.tensor([0, 2])), out, pool.scale)
+    with pytest.raises(ValueError, match="q has 1 rows"):
+        run(q[:1], kc, vc, batch, out[:1], pool.scale)
+    # every index the kernel would follow is range-checked first
+    far = pool.block_tables.clone()
+    far[1, 0] = kc.shape[0]
+    with pytest.raises(ValueError, match=f"block id {kc.shape[0]} is outside the pool"):
+        run(q, kc, vc, DecodeBatch.build(far, pool.seq_lens, 4), out, pool.scale)
+    far[1, 0] = -1
+    with pytest.raises(ValueError, match="block ids must be >= 0"):
+        DecodeBatch.build(far, pool.seq_lens, 4)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\]"):
+        DecodeBatch.build(pool.block_tables, torch.tensor([4, 9]), 4)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\]"):
+        DecodeBatch.build(pool.block_tables, torch.tensor([0, 1]), 4)
     with pytest.raises(ValueError, match="rows must be"):
-        cpu_kernels.paged_decode_attention(pool.q, *args, out, pool.scale, rows=torch.tensor([0.0]))
+        pool.batch(rows=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        DecodeBatch.build(pool.block_tables, pool.seq_lens[:1], 4)

@@ -39,7 +39,7 @@ def test_decode_only_step_matches_torch_ref(paged_case) -> None:  # noqa: ANN001
     )
     backend = get_backend("cpu_paged")
     meta = backend.build_metadata([1] * 5, [0, 3, 16, 129, 500], case.tables, 16)
-    assert meta.decode_rows is None and not meta.prefills
+    assert meta.decode.rows is None and not meta.prefills
     out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
     assert case.err(out) < case.tolerance
 
@@ -48,17 +48,18 @@ def test_build_metadata() -> None:
     backend = get_backend("cpu_paged")
     # a decode, a chunk after cached tokens, a one-token prompt (decoded by the kernel too)
     meta = backend.build_metadata([1, 3, 1], [4, 2, 0], [[2, 5], [7, 8], [9]], 4)
-    assert meta.num_decodes == 2 and meta.max_decode_seq_len == 5
-    assert meta.decode_rows is not None and meta.decode_rows.tolist() == [0, 4]
-    assert meta.decode_block_tables.dtype == torch.int32
-    assert meta.decode_block_tables.tolist() == [[2, 5], [9, 0]]  # 2 blocks cover 5 tokens
-    assert meta.decode_seq_lens.dtype == torch.int32 and meta.decode_seq_lens.tolist() == [5, 1]
+    d = meta.decode
+    assert d.num_decodes == 2 and d.max_seq_len == 5 and d.max_block_id == 9 and d.max_row == 4
+    assert d.rows is not None and d.rows.tolist() == [0, 4]
+    assert d.block_tables.dtype == torch.int32
+    assert d.block_tables.tolist() == [[2, 5], [9, 0]]  # 2 blocks cover 5 tokens
+    assert d.seq_lens.dtype == torch.int32 and d.seq_lens.tolist() == [5, 1]
     (span,) = meta.prefills
     assert (span.start, span.end, span.num_computed, span.seq_len) == (1, 4, 2, 5)
     assert meta.positions.tolist() == [4, 2, 3, 4, 0]
     assert meta.slot_mapping.tolist() == [20, 30, 31, 32, 36]
     prefill_only = backend.build_metadata([3], [0], [[1]], 4)
-    assert prefill_only.num_decodes == 0 and len(prefill_only.prefills) == 1
+    assert prefill_only.decode.num_decodes == 0 and len(prefill_only.prefills) == 1
     with pytest.raises(ValueError, match="sequence 0: block table has 1 blocks"):
         backend.build_metadata([1], [4], [[2]], 4)
 

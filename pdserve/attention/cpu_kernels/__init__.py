@@ -5,13 +5,19 @@
   threads over (sequence, KV head, split).
 
 The source is compiled on first use (:mod:`pdserve.attention.cpu_build`); :func:`load` says
-whether that worked. The functions here check shapes and dtypes, then pass data pointers and
-strides to the library (no torch C++ extension: compiling one takes a minute).
+whether that worked. A call passes data pointers and strides to the library (no torch C++
+extension: compiling one takes a minute). What is constant over a step (block tables, lengths,
+rows) is a :class:`DecodeBatch`, checked once when the step's metadata is built; each layer's
+call then checks only its own tensors, so a step of many layers pays for one validation of
+the batch. Every index the kernel follows is range-checked before it runs: a bad table is a
+ValueError, never a read outside the pool.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,67 +40,126 @@ _ARGTYPES = [
 ]  # fmt: skip
 
 
+# the library's entry point once loaded (the per-layer calls skip the cache look-up)
+_decode_fn: Callable[..., int] | None = None
+
+
 def load() -> KernelLibrary:
     """The compiled kernel library (compiled and cached on first use); ``.lib`` is None and
     ``.reason`` says why when it cannot be built or loaded here."""
+    global _decode_fn
     kl = load_library(SOURCE)
     if kl.lib is not None and kl.lib.pd_paged_decode.argtypes is None:
         kl.lib.pd_paged_decode.argtypes = _ARGTYPES
         kl.lib.pd_paged_decode.restype = ctypes.c_int
+        _decode_fn = kl.lib.pd_paged_decode
     return kl
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decode kernel's inputs that are the same for every layer of a step (CPU tensors).
+
+    block_tables: int32 [num_decodes, max_blocks] physical block ids (entries past a sequence's
+    last block are never read); seq_lens: int32 [num_decodes] context tokens, each >= 1 and
+    within its table row, including the new token (whose K/V the caller writes first); rows:
+    int64 [num_decodes] the query/output row of each decode, or None (row i = decode i).
+    Build it with :meth:`build`, which checks all of this once.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor | None
+    block_size: int
+    num_decodes: int
+    max_seq_len: int
+    max_block_id: int  # largest block id a sequence reads (checked against each layer's pool)
+    max_row: int  # largest row read (checked against each layer's q)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+        rows: torch.Tensor | None = None,
+    ) -> DecodeBatch:
+        """Check and convert (int64 tables/lengths become int32, made contiguous). Raises
+        ValueError naming the argument when a shape, dtype or length is wrong."""
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        n = int(lens.shape[0]) if lens.dim() == 1 else -1
+        if n < 0 or tables.dim() != 2 or tables.shape[0] != n:
+            raise ValueError(
+                "block_tables must be [num_decodes, max_blocks], seq_lens [num_decodes]"
+            )
+        if not (tables.is_cpu and lens.is_cpu):
+            raise ValueError("block_tables and seq_lens must be CPU tensors")
+        if rows is not None:
+            if rows.dtype != torch.int64 or rows.shape != (n,) or not rows.is_contiguous():
+                raise ValueError(f"rows must be a contiguous int64 [num_decodes={n}] tensor")
+            if n and int(rows.min()) < 0:
+                raise ValueError("rows must be >= 0")
+        if n == 0:
+            return cls(tables, lens, rows, block_size, 0, 0, -1, -1)
+        min_len, max_len = int(lens.min()), int(lens.max())
+        if min_len < 1 or max_len > tables.shape[1] * block_size:
+            raise ValueError(
+                f"seq_lens must be in [1, {tables.shape[1] * block_size}] (the tables' "
+                f"{tables.shape[1]} blocks of {block_size}); got {min_len}..{max_len}"
+            )
+        # the blocks each sequence reads: the first ceil(len / block_size) of its row
+        used = torch.arange(tables.shape[1]) < ((lens + block_size - 1) // block_size)[:, None]
+        read = tables[used]
+        if int(read.min()) < 0:
+            raise ValueError("block ids must be >= 0")
+        max_row = int(rows.max()) if rows is not None else n - 1
+        return cls(tables, lens, rows, block_size, n, max_len, int(read.max()), max_row)
 
 
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: DecodeBatch,
     out: torch.Tensor,
     scale: float,
-    rows: torch.Tensor | None = None,
     num_splits: int = 1,
     num_threads: int | None = None,
 ) -> None:
-    """Decode attention of ``num_decodes`` sequences with one query token each, into ``out``.
+    """Decode attention of ``batch.num_decodes`` sequences, one query token each, into ``out``.
 
     q, out: [num_rows, heads, head_dim] CPU tensors of one dtype (float32, bfloat16 or float16),
-    head_dim contiguous; decode ``i`` reads and writes row ``rows[i]`` (int64 [num_decodes]),
-    or row ``i`` when ``rows`` is None (then num_decodes = num_rows). Other rows of ``out`` are
-    left untouched.
-    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim], any of the three dtypes (need
-    not match q's), each block contiguous (one block stride for both). block_tables: int32 [num_decodes, max_blocks] (int64 is
-    converted); seq_lens: int32 [num_decodes], each >= 1 and covered by its table row: the
-    context including the new token, whose K/V must already be in the pool.
-    ``scale``: softmax scale. ``num_splits``: context partitions per sequence, merged at the
-    end (split-K, for few sequences on many threads). ``num_threads``: OpenMP threads for this
-    call (default ``torch.get_num_threads()``).
+    head_dim contiguous; decode ``i`` reads and writes row ``batch.rows[i]`` (or row ``i``);
+    other rows of ``out`` are left untouched. k_cache, v_cache: [num_blocks, block_size,
+    kv_heads, head_dim], float32, bfloat16 or float16 (need not match q's), each block
+    contiguous, one block stride for both; heads a multiple of kv_heads (grouped-query
+    attention). ``scale``: softmax scale. ``num_splits``: context partitions per sequence,
+    merged at the end (split-K, for few sequences on many threads). ``num_threads``: OpenMP
+    threads for this call (default ``torch.get_num_threads()``).
 
-    Raises RuntimeError when the kernel library is unavailable (see :func:`load`) and
-    ValueError for a shape, dtype or device mismatch. Block ids and lengths are not
-    range-checked here (the caller built them from the pool's own block tables).
+    Raises RuntimeError when the kernel library is unavailable (see :func:`load`), ValueError
+    for a shape, dtype, device or range mismatch, MemoryError when split-K scratch cannot be
+    allocated.
     """
-    kl = load()
-    if kl.lib is None:
-        raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
-    if block_tables.dtype != torch.int32:
-        block_tables = block_tables.to(torch.int32)
-    if seq_lens.dtype != torch.int32:
-        seq_lens = seq_lens.to(torch.int32)
-    block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    n = int(seq_lens.shape[0])
-    _check(q, k_cache, v_cache, block_tables, out, rows, n)
-    if n == 0:
+    fn = _decode_fn
+    if fn is None:
+        kl = load()
+        if kl.lib is None:
+            raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
+        fn = kl.lib.pd_paged_decode
+    _check(q, k_cache, v_cache, out, batch)
+    if batch.num_decodes == 0:
         return
-    heads, head_dim = q.shape[1], q.shape[2]
-    num_blocks, block_size, kv_heads = k_cache.shape[:3]
-    rc = kl.lib.pd_paged_decode(
-        q.data_ptr(), q.stride(0), q.stride(1), _DTYPES[q.dtype],
+    qs, ks = q.shape, k_cache.shape
+    q_st, o_st = q.stride(), out.stride()
+    rows = batch.rows.data_ptr() if batch.rows is not None else None
+    rc = fn(
+        q.data_ptr(), q_st[0], q_st[1], _DTYPES[q.dtype],
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), _DTYPES[k_cache.dtype],
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        rows.data_ptr() if rows is not None else None, out.data_ptr(), out.stride(0), out.stride(1),
-        n, heads, kv_heads, head_dim, block_size,
+        batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.seq_lens.data_ptr(),
+        rows, out.data_ptr(), o_st[0], o_st[1],
+        batch.num_decodes, qs[1], ks[2], qs[2], ks[1],
         scale, max(1, num_splits), num_threads or torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -105,38 +170,28 @@ def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
     out: torch.Tensor,
-    rows: torch.Tensor | None,
-    n: int,
+    batch: DecodeBatch,
 ) -> None:
-    """ValueError naming the first argument the kernel cannot take."""
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
-    for name, t in tensors.items():
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor (got {t.device})")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not float32, bfloat16 or float16")
-    if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"q and out must be [rows, heads, head_dim] of one dtype ({q.shape})")
+    """ValueError naming the first argument the kernel cannot take (cheap: once per layer)."""
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu):
+        raise ValueError("q, k_cache, v_cache and out must be CPU tensors")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
+        raise ValueError(f"dtypes {q.dtype}, {k_cache.dtype}: only float32, bfloat16, float16")
+    qs, ks, kst = q.shape, k_cache.shape, k_cache.stride()
+    if len(qs) != 3 or out.shape != qs or out.dtype != q.dtype:
+        raise ValueError(f"q and out must be [rows, heads, head_dim] of one dtype ({qs})")
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out must have a contiguous head_dim")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    if len(ks) != 4 or v_cache.shape != ks or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]")
-    for t in (k_cache, v_cache):  # each block [block_size, kv_heads, head_dim] contiguous
-        if t.stride()[1:] != (t.shape[2] * t.shape[3], t.shape[3], 1):
-            raise ValueError("k_cache and v_cache must be contiguous within each block")
-    if k_cache.stride(0) != v_cache.stride(0):
-        raise ValueError("k_cache and v_cache must share their block stride")
-    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or heads % kv_heads:
-        raise ValueError(
-            f"q [.., {heads}, {head_dim}] does not fit caches [.., {kv_heads}, {k_cache.shape[3]}]"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != n:
-        raise ValueError(f"block_tables must be [num_decodes={n}, max_blocks]")
-    if rows is None:
-        if q.shape[0] != n:
-            raise ValueError(f"without rows, q must have one row per decode ({q.shape[0]} != {n})")
-    elif rows.dtype != torch.int64 or rows.shape != (n,) or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous int64 [num_decodes={n}] tensor")
+    if kst[1:] != (ks[2] * ks[3], ks[3], 1) or v_cache.stride() != kst:
+        raise ValueError("k_cache and v_cache must be contiguous within each block, alike")
+    if ks[3] != qs[2] or qs[1] % ks[2]:
+        raise ValueError(f"q [.., {qs[1]}, {qs[2]}] does not fit caches [.., {ks[2]}, {ks[3]}]")
+    if ks[1] != batch.block_size:
+        raise ValueError(f"caches have blocks of {ks[1]}, the batch {batch.block_size}")
+    if batch.max_block_id >= ks[0]:
+        raise ValueError(f"block id {batch.max_block_id} is outside the pool ({ks[0]} blocks)")
+    if batch.max_row >= qs[0] or (batch.rows is None and qs[0] != batch.num_decodes):
+        raise ValueError(f"q has {qs[0]} rows, the batch reads {batch.num_decodes} decodes")
