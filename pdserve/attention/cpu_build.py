@@ -3,14 +3,15 @@
 Lifecycle of one source (e.g. ``cpu_kernels/paged_decode.c``) in a process:
 
 1. :func:`load_library` looks for ``<cache>/<stem>-<key>.so``. The key hashes everything the
-   binary depends on: the source text, the compiler's identity (``cc --version``, target
-   triple), the flags, and the CPU (``-march=native`` code is only valid on a CPU with the same
+   binary depends on: the source text, the compiler (command, ``--version``, target triple),
+   the flags, and the CPU (``-march=native`` code is only valid on a CPU with the same
    features), so a cache shared by machines or compilers never hands out a wrong binary.
 2. Missing: the compiler (``CC``, else ``cc``, else ``gcc`` on ``PATH``) writes a temporary file
    in the cache directory, which is then renamed onto the final name. Rename is atomic, so two
    processes compiling at once both succeed and neither ever loads a half-written library.
-   Flags: ``-O3 -march=native -fopenmp``; when OpenMP is unavailable, a second attempt builds
-   without it (the kernel then runs on one thread).
+   Flags: ``-O3 -march=native -fopenmp``; when that fails, the same without OpenMP (the kernel
+   then runs on one thread), then for the generic target of the compiler (no ``-march=native``:
+   slower vector code), then without both; a warning names what was left out and why.
 3. ``ctypes.CDLL`` loads it (ctypes releases the GIL for the duration of each call).
 
 Any failure (no compiler, a compile error, an unwritable cache, a load error) returns a
@@ -38,8 +39,11 @@ from pdserve import env
 
 log = logging.getLogger(__name__)
 
-BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 OPENMP_FLAG = "-fopenmp"
+NATIVE_FLAG = "-march=native"
+# tried in order until one builds
+FLAG_VARIANTS = ((NATIVE_FLAG, OPENMP_FLAG), (NATIVE_FLAG,), (OPENMP_FLAG,), ())
 LIBS = ("-lm",)
 COMPILE_TIMEOUT_S = 300.0
 
@@ -48,15 +52,20 @@ COMPILE_TIMEOUT_S = 300.0
 class KernelLibrary:
     """The outcome of :func:`load_library`: ``lib`` (None on failure) and why it is None.
 
-    ``path``: the cached library file; ``openmp``: whether it was built with OpenMP (else every
-    call runs on one thread); ``compiled``: whether this call compiled it (False: cache hit).
+    ``path``: the cached library file; ``flags``: the optional flags it was built with (see
+    FLAG_VARIANTS); ``compiled``: whether this call compiled it (False: cache hit).
     """
 
     lib: ctypes.CDLL | None
     reason: str | None = None
     path: Path | None = None
-    openmp: bool = False
+    flags: tuple[str, ...] = ()
     compiled: bool = False
+
+    @property
+    def openmp(self) -> bool:
+        """Built with OpenMP (else every call runs on one thread)."""
+        return OPENMP_FLAG in self.flags
 
 
 _lock = threading.Lock()
@@ -90,8 +99,9 @@ def _cpu_identity() -> str:
 
 
 def _compiler_identity(cc: list[str]) -> str:
-    """``cc --version`` and ``cc -dumpmachine`` output (raises OSError/CalledProcessError)."""
-    out = []
+    """The command, its ``--version`` and ``-dumpmachine`` output (raises OSError or
+    subprocess.SubprocessError)."""
+    out = [shlex.join(cc)]
     for arg in ("--version", "-dumpmachine"):
         proc = subprocess.run([*cc, arg], capture_output=True, text=True, timeout=60, check=True)
         out.append(proc.stdout.strip())
@@ -145,8 +155,8 @@ def _build(src: Path, cache_dir: Path) -> KernelLibrary:
     except OSError as e:
         return KernelLibrary(None, f"kernel cache {cache_dir} is not writable: {e}")
     first_reason = None
-    for openmp in (True, False):
-        flags = (*BASE_FLAGS, OPENMP_FLAG) if openmp else BASE_FLAGS
+    for extra in FLAG_VARIANTS:
+        flags = (*BASE_FLAGS, *extra)
         dest = cache_dir / f"{src.stem}-{_cache_key(source, identity, flags)}.so"
         compiled = False
         if not dest.exists():
@@ -162,11 +172,14 @@ def _build(src: Path, cache_dir: Path) -> KernelLibrary:
         except OSError as e:
             first_reason = first_reason or f"cannot load {dest}: {e}"
             continue
-        if not openmp:
+        missing = [f for f in FLAG_VARIANTS[0] if f not in extra]
+        if missing:
             log.warning(
-                "%s built without OpenMP (%s): it runs on one thread", src.name, first_reason
-            )
-        return KernelLibrary(lib, None, dest, openmp, compiled)
+                "%s built without %s (%s): %s",
+                src.name, " ".join(missing), first_reason,
+                "it runs on one thread" if OPENMP_FLAG in missing else "generic vector code",
+            )  # fmt: skip
+        return KernelLibrary(lib, None, dest, extra, compiled)
     return KernelLibrary(None, first_reason)
 
 

@@ -107,25 +107,40 @@ def test_unwritable_cache_is_a_reason(tmp_path: Path, monkeypatch: pytest.Monkey
     assert kl.lib is None and kl.reason is not None and "is not writable" in kl.reason
 
 
-def test_without_openmp_it_builds_single_threaded(
-    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("rejected", "flags", "threads", "warning"),
+    [
+        ("-fopenmp", ("-march=native",), 1, "it runs on one thread"),
+        ("-march=native", ("-fopenmp",), 2, "generic vector code"),
+    ],
+)
+def test_a_flag_the_compiler_rejects_is_left_out(
+    tmp_path: Path,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    rejected: str,
+    flags: tuple[str, ...],
+    threads: int,
+    warning: str,
 ) -> None:
-    """A compiler that rejects -fopenmp (e.g. Apple clang): a second build without it."""
+    """A compiler without OpenMP (e.g. Apple clang) or without -march=native: the next build."""
     real, why = find_compiler()
     assert real is not None, why
-    fake = tmp_path / "cc-no-openmp"
+    fake = tmp_path / "cc-limited"
     fake.write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "error: unsupported -fopenmp" >&2; '
+        f'for a in "$@"; do [ "$a" = {rejected} ] && {{ echo "error: unsupported {rejected}" >&2; '
         "exit 1; }; done\n"
         f'exec {real[0]} "$@"\n'
     )
     fake.chmod(0o755)
     monkeypatch.setenv(env.CC, str(fake))
     kl = load_library(_source(tmp_path))
-    assert kl.lib is not None and not kl.openmp
-    assert kl.lib.pd_threads() == 1  # the pragma is ignored
-    assert "built without OpenMP" in caplog.text and "unsupported -fopenmp" in caplog.text
+    assert kl.lib is not None and kl.flags == flags and kl.openmp == (threads == 2)
+    assert kl.lib.pd_threads() == threads  # without OpenMP the pragma is ignored
+    assert f"built without {rejected}" in caplog.text and f"unsupported {rejected}" in caplog.text
+    assert warning in caplog.text
 
 
 def test_default_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
