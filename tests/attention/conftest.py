@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from attention_pools import shuffled_block_tables
 
+from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
 from pdserve.sampling_params import SamplingParams
 
@@ -70,13 +73,8 @@ class PagedCase:
         from pdserve.attention.triton_paged import TritonMetadata
 
         gen = torch.Generator().manual_seed(seed)
-        need = [-(-(c + n) // block_size) for c, n in seqs]
-        num_blocks = sum(need) + 5
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        self.tables, at = [], 0
-        for nb in need:
-            self.tables.append(perm[at : at + nb])
-            at += nb
+        lens = [c + n for c, n in seqs]
+        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=5)
         num_tokens = sum(n for _, n in seqs)
 
         def rand(*shape: int) -> torch.Tensor:
@@ -96,6 +94,21 @@ class PagedCase:
         self.ref = get_backend("torch_ref").forward(
             self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale
         )
+
+    def assert_backend_matches(
+        self, backend: AttentionBackend[Any], meta: AttentionMetadata
+    ) -> None:
+        """``backend.forward`` of this step (on copies of the pools whose new-token slots hold
+        NaN, so the backend must write the new K/V itself) is within tolerance of torch_ref on
+        every row, and leaves the pools equal to torch_ref's."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        heads, dim = k_cache.shape[-2:]
+        k_cache.view(-1, heads, dim)[self.meta.slot_mapping] = float("nan")
+        v_cache.view(-1, heads, dim)[self.meta.slot_mapping] = float("nan")
+        out = backend.forward(self.q, self.k, self.v, k_cache, v_cache, meta, self.scale)
+        assert not out.isnan().any()
+        assert self.err(out) < self.tolerance
+        assert torch.equal(k_cache, self.k_cache) and torch.equal(v_cache, self.v_cache)
 
     def poisoned(self) -> torch.Tensor:
         """An output buffer full of NaN: rows a kernel fails to write stay NaN."""

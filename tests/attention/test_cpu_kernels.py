@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_pools import shuffled_block_tables
 
 from pdserve.attention import cpu_kernels
 from pdserve.attention.cpu_kernels import DecodeBatch
@@ -35,19 +36,13 @@ class Pool:
         seed: int = 0,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        need = [-(-n // block_size) for n in lens]
-        num_blocks = sum(need) + 3
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        self.tables, at = [], 0
-        for nb in need:
-            self.tables.append(perm[at : at + nb])
-            at += nb
+        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
         self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
         self.q = torch.randn(len(lens), heads, head_dim, generator=gen).to(q_dtype)
         self.lens, self.block_size, self.scale = lens, block_size, head_dim**-0.5
-        width = max(need)
+        width = max(len(t) for t in self.tables)
         self.block_tables = torch.tensor(
             [t + [num_blocks + 99] * (width - len(t)) for t in self.tables], dtype=torch.int32
         )  # padding is an invalid block id: the kernel must never read it
