@@ -160,6 +160,7 @@ def _build(src: Path, cache_dir: Path) -> KernelLibrary:
         dest = cache_dir / f"{src.stem}-{_cache_key(source, identity, flags)}.so"
         compiled = False
         if not dest.exists():
+            log.info("compiling %s for this CPU (first use; cached in %s)", src.name, cache_dir)
             t0 = time.perf_counter()
             reason = _compile(cc, src, dest, flags)
             if reason is not None:

@@ -3,8 +3,10 @@
  *
  * Compiled on first use by pdserve/attention/cpu_build.py (cc -O3 -march=native -fopenmp) and
  * called through ctypes by pdserve/attention/cpu_paged.py; see pd_paged_decode below for the
- * contract. Plain C99 plus GCC/Clang vector extensions: the vector width follows the target ISA
- * (16 floats with AVX-512, 8 with AVX, else 4), so the same source builds on any CPU.
+ * contract. C11 with GCC/Clang vector extensions (x86 intrinsics only where the target has
+ * them): the vector width follows the target ISA (16 floats with AVX-512, 8 with AVX, else 4),
+ * so the same source builds on any CPU. The Python side range-checks every block id, length
+ * and row before a call; the kernel trusts them.
  *
  * Algorithm: one work item is (sequence, KV head, split). It computes the scores of all G query
  * heads that share the KV head (grouped-query attention without repeating K/V) over tiles of
@@ -344,9 +346,8 @@ static void attend_range(int G, const Cache *c, const int32_t *table, int h, con
  * q:    [*, heads, head_dim] in q_dtype; decode i reads row rows[i] (rows NULL: row i);
  *       strides in elements (q_tok_stride, q_head_stride; head_dim contiguous).
  * out:  same row indexing and dtype as q, strides o_tok_stride, o_head_stride.
- * k, v: one layer's caches [num_blocks, block_size, kv_heads, head_dim] in kv_dtype, contiguous
- *       within a block row: strides blk_stride (per block) and block_size * ... per token is
- *       kv_heads * head_dim.
+ * k, v: one layer's caches [num_blocks, block_size, kv_heads, head_dim] in kv_dtype, each
+ *       block contiguous (token stride kv_heads * head_dim), blocks blk_stride elements apart.
  * tables: int32 [num_decodes, table_stride] block ids; seq_lens: int32 [num_decodes] tokens of
  *       context (>= 1, already including the new token's K/V).
  * scale: softmax scale; num_splits >= 1 context partitions per sequence (split-K);
