@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 # --attention-backend choices; 'auto' is resolved per device by pdserve.attention.selector
-ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -177,9 +177,10 @@ class LoadConfig:
     ``load_format``: 'auto' | 'safetensors' | 'gguf' | 'dummy' (random weights; needs a config).
     ``dtype``: 'auto' (bfloat16 on CUDA and on CPUs with native bf16 — avx512_bf16 or AMX —,
     float32 on other CPUs; DESIGN §2) | float32 | bfloat16 | float16.
-    ``attention_backend``: 'auto' (``triton`` on CUDA, ``torch_ref`` elsewhere) | torch_ref |
-    triton; :func:`pdserve.attention.selector.select_attention_backend` resolves it against the
-    device and the model's head size when the model is built.
+    ``attention_backend``: 'auto' (``triton`` on CUDA, ``cpu_paged`` on CPU, ``torch_ref`` when
+    those cannot run) | torch_ref | cpu_paged | triton;
+    :func:`pdserve.attention.selector.select_attention_backend` resolves it against the device and
+    the model's head size when the model is built.
     """
 
     model: str = "smollm2"

@@ -12,6 +12,10 @@ Variables (all optional):
   read to tell whether a process joining a cluster can present a token (router/cluster/ray_join.py).
 - ``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels on CPU tensors through Triton's
   interpreter; :func:`triton_interpret` lets the ``triton`` attention backend run on CPU then.
+- ``PDSERVE_KERNEL_CACHE``: directory of pdserve's compiled CPU kernels (default
+  ``$XDG_CACHE_HOME/pdserve/kernels``, else ``~/.cache/pdserve/kernels``).
+- ``CC`` (the usual C compiler variable): the compiler of those kernels (default ``cc``, else
+  ``gcc``, found on ``PATH``).
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -35,6 +39,9 @@ RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 TRITON_INTERPRET = "TRITON_INTERPRET"
+KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"
+XDG_CACHE_HOME = "XDG_CACHE_HOME"
+CC = "CC"
 
 
 def _get(name: str) -> str | None:
@@ -93,6 +100,21 @@ def enable_ray_token_auth() -> None:
 def triton_interpret() -> bool:
     """True when ``TRITON_INTERPRET`` is set to a true value (Triton's spelling: 1, true, yes, on)."""
     return (_get(TRITON_INTERPRET) or "").lower() in ("1", "true", "yes", "on")
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled CPU kernels are cached: ``PDSERVE_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/pdserve/kernels``, else ``~/.cache/pdserve/kernels`` (not created here)."""
+    explicit = _get(KERNEL_CACHE)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = _get(XDG_CACHE_HOME)
+    return (Path(base) if base else Path.home() / ".cache") / "pdserve" / "kernels"
+
+
+def c_compiler() -> str | None:
+    """``CC`` as given (a command name or path, possibly not existing), or None when unset."""
+    return _get(CC)
 
 
 def log_level() -> int:

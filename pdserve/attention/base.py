@@ -200,7 +200,7 @@ def register_backend(name: str) -> Callable[[B], B]:
 def get_backend(name: str = "torch_ref") -> AttentionBackend[Any]:
     """A new backend instance by name. Raises ConfigError naming the known backends."""
     # importing the implementations registers them
-    from pdserve.attention import torch_ref, triton_paged  # noqa: F401
+    from pdserve.attention import cpu_paged, torch_ref, triton_paged  # noqa: F401
 
     try:
         return _BACKENDS[name]()

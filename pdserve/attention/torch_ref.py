@@ -119,6 +119,51 @@ def _sdpa(
     return o.to(dtype)
 
 
+def prefill_spans(
+    b: FlatBatch, attended_elsewhere: set[int], device: str | torch.device
+) -> tuple[PrefillSpan, ...]:
+    """A :class:`PrefillSpan` for every sequence of ``b`` not in ``attended_elsewhere`` (the
+    indices a backend's batched decode path covers), in batch order."""
+    spans = []
+    for i in range(b.num_seqs):
+        if i in attended_elsewhere:
+            continue
+        q, c = b.query_lens[i], b.num_computed[i]
+        mask = None
+        if c > 0:
+            # query row r sits at position c + r and may see keys 0 .. c + r
+            mask = torch.arange(c + q)[None, :] <= (c + torch.arange(q))[:, None]
+            mask = mask.to(device)
+        start = int(b.query_start_loc[i])
+        blocks = b.block_tables[i, : -(-(c + q) // b.block_size)].to(device)
+        spans.append(PrefillSpan(start, start + q, c, c + q, blocks, mask))
+    return tuple(spans)
+
+
+def attend_prefills(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: Sequence[PrefillSpan],
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Write the attention of each span's query rows into ``out`` (one SDPA call per span):
+    q, out [num_tokens, H, D]; k, v [num_tokens, Hkv, D] the step's new K/V (already in the
+    caches, which a chunk after cached tokens reads through its block ids)."""
+    for span in spans:
+        qs = q[span.start : span.end].transpose(0, 1)  # [H, q_len, D]
+        if span.mask is None:  # chunk from position 0: its own fresh K/V, causal
+            ks = k[span.start : span.end].transpose(0, 1)
+            vs = v[span.start : span.end].transpose(0, 1)
+        else:
+            ks = _gather(k_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
+            vs = _gather(v_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
+        out[span.start : span.end] = _sdpa(qs, ks, vs, span.mask, scale).transpose(0, 1)
+
+
 @register_backend("torch_ref")
 class TorchRefBackend(AttentionBackend[TorchRefMetadata]):
     """SDPA over gathered blocks (CPU and CUDA; exact reference for other backends)."""
@@ -134,22 +179,10 @@ class TorchRefBackend(AttentionBackend[TorchRefMetadata]):
         """Split the batch into the decode group and per-sequence prefill spans (see
         TorchRefMetadata). Raises ValueError like :meth:`FlatBatch.build`."""
         b = FlatBatch.build(query_lens, num_computed, block_tables, block_size)
-        qlens, ctx, tables = b.query_lens, b.num_computed, b.block_tables
+        qlens, ctx = b.query_lens, b.num_computed
         decode_idx = [i for i in range(b.num_seqs) if qlens[i] == 1 and ctx[i] > 0]
-        prefills = []
-        for i in range(b.num_seqs):
-            q, c = qlens[i], ctx[i]
-            if q == 1 and c > 0:
-                continue
-            mask = None
-            if c > 0:
-                # query row r sits at position c + r and may see keys 0 .. c + r
-                mask = torch.arange(c + q)[None, :] <= (c + torch.arange(q))[:, None]
-                mask = mask.to(device)
-            start = int(b.query_start_loc[i])
-            blocks = tables[i, : -(-(c + q) // block_size)].to(device)
-            prefills.append(PrefillSpan(start, start + q, c, c + q, blocks, mask))
-
+        prefills = prefill_spans(b, set(decode_idx), device)
+        tables = b.block_tables
         d_idx = torch.tensor(decode_idx, dtype=torch.int64)
         d_seq_lens = b.seq_lens[d_idx]
         d_nblocks = int(-(-int(d_seq_lens.max()) // block_size)) if decode_idx else 1
@@ -161,7 +194,7 @@ class TorchRefBackend(AttentionBackend[TorchRefMetadata]):
             decode_rows=b.query_start_loc[d_idx].to(device),
             decode_blocks=tables[d_idx, :d_nblocks].to(device),
             decode_bias=d_bias.to(device),
-            prefills=tuple(prefills),
+            prefills=prefills,
         )
 
     def forward(
@@ -182,15 +215,7 @@ class TorchRefBackend(AttentionBackend[TorchRefMetadata]):
         if meta.num_decodes:
             rows = meta.decode_rows
             out.index_copy_(0, rows, self._decode(q[rows], k_cache, v_cache, meta, scale))
-        for span in meta.prefills:
-            qs = q[span.start : span.end].transpose(0, 1)  # [H, q_len, D]
-            if span.mask is None:  # chunk from position 0: its own fresh K/V, causal
-                ks = k[span.start : span.end].transpose(0, 1)
-                vs = v[span.start : span.end].transpose(0, 1)
-            else:
-                ks = _gather(k_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
-                vs = _gather(v_cache, span.block_ids)[: span.seq_len].transpose(0, 1)
-            out[span.start : span.end] = _sdpa(qs, ks, vs, span.mask, scale).transpose(0, 1)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out, scale)
         return out
 
     @staticmethod

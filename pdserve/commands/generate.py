@@ -39,7 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--attention-backend", default="auto", help="auto (triton on CUDA) | torch_ref | triton"
+        "--attention-backend",
+        default="auto",
+        help="auto (triton on CUDA, cpu_paged on CPU) | torch_ref | cpu_paged | triton",
     )
     p.add_argument("--load-format", default="auto", help="auto|safetensors|gguf|dummy")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")

@@ -115,7 +115,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default=LoadConfig.attention_backend,
-        help="auto (triton on CUDA, torch_ref elsewhere) | torch_ref | triton",
+        help="auto (triton on CUDA, cpu_paged on CPU) | torch_ref | cpu_paged | triton",
     )
     g.add_argument(
         "--seed", type=int, default=LoadConfig.seed, help="seed of --load-format dummy weights"

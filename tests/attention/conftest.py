@@ -12,10 +12,16 @@ unset), nothing is set and the same tests run the compiled kernels on the GPU
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from attention_pools import shuffled_block_tables
+
+from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
+from pdserve.sampling_params import SamplingParams
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1" or not torch.cuda.is_available()
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -45,7 +51,8 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
 class PagedCase:
     """One step's attention inputs over a random paged pool, and torch_ref's answer.
 
-    ``seqs``: (cached tokens, new tokens) per sequence. The pool (float32 random, cast to
+    ``seqs``: (cached tokens, new tokens) per sequence; tensors on ``device`` (default: where the
+    Triton kernels run). The pool (float32 random, cast to
     ``dtype``) has spare blocks and each sequence gets randomly chosen blocks, so a kernel that
     reads the wrong block reads garbage. Cached tokens are whatever the pool holds; the new
     tokens' K/V are random and already written by torch_ref (``ref`` is its output).
@@ -60,22 +67,18 @@ class PagedCase:
         block_size: int,
         dtype: torch.dtype,
         seed: int = 0,
+        device: torch.device = DEVICE,
     ) -> None:
         from pdserve.attention.base import get_backend
         from pdserve.attention.triton_paged import TritonMetadata
 
         gen = torch.Generator().manual_seed(seed)
-        need = [-(-(c + n) // block_size) for c, n in seqs]
-        num_blocks = sum(need) + 5
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        self.tables, at = [], 0
-        for nb in need:
-            self.tables.append(perm[at : at + nb])
-            at += nb
+        lens = [c + n for c, n in seqs]
+        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=5)
         num_tokens = sum(n for _, n in seqs)
 
         def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+            return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
         self.k_cache = rand(num_blocks, block_size, kv_heads, head_dim)
         self.v_cache = rand(num_blocks, block_size, kv_heads, head_dim)
@@ -85,12 +88,27 @@ class PagedCase:
         self.scale = head_dim**-0.5
         qlens, computed = [n for _, n in seqs], [c for c, _ in seqs]
         self.meta = get_backend("torch_ref").build_metadata(
-            qlens, computed, self.tables, block_size, DEVICE
+            qlens, computed, self.tables, block_size, device
         )
-        self.tmeta = TritonMetadata.build(qlens, computed, self.tables, block_size, DEVICE)
+        self.tmeta = TritonMetadata.build(qlens, computed, self.tables, block_size, device)
         self.ref = get_backend("torch_ref").forward(
             self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale
         )
+
+    def assert_backend_matches(
+        self, backend: AttentionBackend[Any], meta: AttentionMetadata
+    ) -> None:
+        """``backend.forward`` of this step (on copies of the pools whose new-token slots hold
+        NaN, so the backend must write the new K/V itself) is within tolerance of torch_ref on
+        every row, and leaves the pools equal to torch_ref's."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        heads, dim = k_cache.shape[-2:]
+        k_cache.view(-1, heads, dim)[self.meta.slot_mapping] = float("nan")
+        v_cache.view(-1, heads, dim)[self.meta.slot_mapping] = float("nan")
+        out = backend.forward(self.q, self.k, self.v, k_cache, v_cache, meta, self.scale)
+        assert not out.isnan().any()
+        assert self.err(out) < self.tolerance
+        assert torch.equal(k_cache, self.k_cache) and torch.equal(v_cache, self.v_cache)
 
     def poisoned(self) -> torch.Tensor:
         """An output buffer full of NaN: rows a kernel fails to write stay NaN."""
@@ -117,3 +135,47 @@ def paged_case() -> type[PagedCase]:
 def device() -> torch.device:
     """Where the kernels' tensors live: CPU under the interpreter, else the GPU."""
     return DEVICE
+
+
+TINY = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    eos_token_ids=(2,),
+)
+
+
+def _greedy_tokens(backend: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of TINY (dummy weights, fp32) with ``backend``: all prompts in one run with
+    chunked prefill (16-token steps), then the first prompt again (a prefix cache hit)."""
+    from decode_worker.offline import OfflineEngine
+
+    engine = OfflineEngine(
+        EngineConfig(
+            load=LoadConfig(
+                model="dummy", load_format="dummy", dtype="float32", attention_backend=backend
+            ),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
+        ),
+        TINY,
+    )
+    attn = engine.runner.model.model.layers[0].self_attn.backend
+    assert attn.name == backend
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = engine.generate(prompts, params) + engine.generate(prompts[:1], params)
+    assert engine.stats.prefill_tokens < len(prompts[0])  # the rerun extended a cached prefix
+    return [o.output_token_ids for o in outs]
+
+
+@pytest.fixture
+def greedy_tokens() -> Callable[[str, list[list[int]]], list[list[int]]]:
+    """``greedy_tokens(backend, prompts)``: a tiny random Llama's greedy continuations of
+    ``prompts`` through the engine with that attention backend (see _greedy_tokens)."""
+    return _greedy_tokens

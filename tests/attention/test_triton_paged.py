@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.offline import OfflineEngine
 from pdserve.attention.base import get_backend
 from pdserve.attention.triton_paged import TritonBackend
-from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
-from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -21,15 +18,9 @@ def test_mixed_batch_matches_torch_ref(paged_case, dtype: torch.dtype) -> None:
     one-token prompt in one step: every row equals torch_ref, the pool holds the same K/V."""
     seqs = [(9, 1), (13, 6), (0, 11), (1, 1), (0, 1)]
     case = paged_case(seqs, 6, 2, 32, 4, dtype)
-    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    new = case.meta.slot_mapping
-    k_cache.view(-1, 2, 32)[new] = float("nan")  # the backend must write the new K/V itself
-    v_cache.view(-1, 2, 32)[new] = float("nan")
     backend = get_backend("triton")
     assert isinstance(backend, TritonBackend)
-    out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, case.tmeta, case.scale)
-    assert case.err(out) < case.tolerance
-    assert torch.equal(k_cache, case.k_cache) and torch.equal(v_cache, case.v_cache)
+    case.assert_backend_matches(backend, case.tmeta)
 
 
 def test_build_metadata() -> None:
@@ -47,42 +38,7 @@ def test_build_metadata() -> None:
         backend.build_metadata([1], [4], [[2]], 4)
 
 
-TINY = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128,
-    hidden_size=96,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    eos_token_ids=(2,),
-)
-
-
-def _generate(backend: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of TINY (dummy weights, fp32) with ``backend``: all prompts in one run with
-    chunked prefill (16-token steps), then the first prompt again (a prefix cache hit)."""
-    engine = OfflineEngine(
-        EngineConfig(
-            load=LoadConfig(
-                model="dummy", load_format="dummy", dtype="float32", attention_backend=backend
-            ),
-            cache=CacheConfig(block_size=4, num_blocks=64),
-            scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
-        ),
-        TINY,
-    )
-    attn = engine.runner.model.model.layers[0].self_attn.backend
-    assert attn.name == backend
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outs = engine.generate(prompts, params) + engine.generate(prompts[:1], params)
-    assert engine.stats.prefill_tokens < len(prompts[0])  # the rerun extended a cached prefix
-    return [o.output_token_ids for o in outs]
-
-
-def test_tiny_llama_greedy_tokens_equal_torch_ref() -> None:
+def test_tiny_llama_greedy_tokens_equal_torch_ref(greedy_tokens) -> None:  # noqa: ANN001
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (21, 5, 9)]
-    assert _generate("triton", prompts) == _generate("torch_ref", prompts)
+    assert greedy_tokens("triton", prompts) == greedy_tokens("torch_ref", prompts)

@@ -1,0 +1,228 @@
+"""CPU decode attention: the ``cpu_paged`` kernel against ``torch_ref``, in one run, interleaved.
+
+Two parts, both measured on this machine in the same process, alternating the two backends
+round by round and keeping each one's best (the machine may be shared):
+
+* **attention only**: a decode-only step's attention (``backend.forward`` of one layer: the new
+  K/V written, then attention over each sequence's context) for batch x context x dtype x
+  threads, SmolLM2-135M's shapes by default (9 query / 3 KV heads, head_dim 64, block size 16),
+  blocks shuffled through the pool. Prints both times, the ratio, and the K/V bytes the kernel
+  reads per second. Every configuration is first checked against torch_ref (relative error).
+* **--step**: a whole decode step of a model (default the bundled SmolLM2) at ``--step-batch``
+  sequences after ``--prompt-len``-token prompts, one ModelRunner per backend: median and best
+  step time, and the part of the step spent in attention (wall time inside
+  ``backend.forward``, all layers).
+
+Usage::
+
+    .venv/bin/python bench/cpu_attention.py                       # attention table, ~2 min
+    .venv/bin/python bench/cpu_attention.py --step --threads 1    # + the SmolLM2 decode step
+    .venv/bin/python bench/cpu_attention.py --batch-sizes 16 --contexts 256 --dtypes bfloat16
+
+Exit status 1 when the kernel disagrees with torch_ref; 2 when it cannot be built here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.attention import cpu_kernels  # noqa: E402
+from pdserve.attention.base import AttentionBackend, get_backend  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--heads", type=int, default=9, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--threads", default="1,2", help="torch (and kernel) thread counts")
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--contexts", default="256,1024,2048", help="decode context lengths")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; best is kept")
+    p.add_argument("--step", action="store_true", help="also time a whole model decode step")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--step-batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--step-dtype", default="bfloat16")
+    return p.parse_args(argv)
+
+
+def best_of_interleaved(fns: list[Callable[[], object]], repeats: int, inner: int) -> list[float]:
+    """Best seconds per call of each of ``fns``, alternating them round by round."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) / inner)
+    return best
+
+
+class DecodeLayer:
+    """One layer's decode step for ``batch`` sequences of ``context`` tokens (the last one new)
+    over a pool with shuffled blocks, runnable through any backend."""
+
+    def __init__(self, args: argparse.Namespace, batch: int, context: int, dtype: torch.dtype):
+        bs = args.block_size
+        per_seq = -(-context // bs)
+        num_blocks = batch * per_seq + 1
+        perm = torch.randperm(num_blocks).tolist()
+        self.tables = [perm[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+        shape = (num_blocks, bs, args.kv_heads, args.head_dim)
+        self.k_cache = torch.randn(shape).to(dtype)
+        self.v_cache = torch.randn(shape).to(dtype)
+        self.q = torch.randn(batch, args.heads, args.head_dim).to(dtype)
+        self.k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
+        self.v = torch.randn_like(self.k)
+        self.batch, self.context, self.block_size = batch, context, bs
+        self.scale = args.head_dim**-0.5
+
+    def runner(self, backend: AttentionBackend[Any]) -> Callable[[], torch.Tensor]:
+        meta = backend.build_metadata(
+            [1] * self.batch, [self.context - 1] * self.batch, self.tables, self.block_size
+        )
+        caches = (self.k_cache, self.v_cache)
+        return lambda: backend.forward(self.q, self.k, self.v, *caches, meta, self.scale)
+
+    def kv_bytes(self) -> int:
+        """K and V bytes of every context token: what the step must read."""
+        return 2 * self.batch * self.context * self.k[0].numel() * self.k.element_size()
+
+
+def attention_table(args: argparse.Namespace) -> bool:
+    ref, paged = get_backend("torch_ref"), get_backend("cpu_paged")
+    print(f"attention only: {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, "
+          f"block size {args.block_size}; best of {args.repeats} interleaved rounds")  # fmt: skip
+    print("| dtype | threads | batch | context | torch_ref ms | cpu_paged ms | speed-up | GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for threads in [int(t) for t in args.threads.split(",")]:
+            torch.set_num_threads(threads)
+            for b in [int(x) for x in args.batch_sizes.split(",")]:
+                for ctx in [int(x) for x in args.contexts.split(",")]:
+                    layer = DecodeLayer(args, b, ctx, dtype)
+                    run_ref, run_paged = layer.runner(ref), layer.runner(paged)
+                    want, got = run_ref().float(), run_paged().float()
+                    err = float((got - want).norm() / want.norm())
+                    if err > TOL[dtype]:
+                        ok = False
+                        print(f"FAIL {dtype} b={b} ctx={ctx}: rel err {err:.2e}")
+                    inner = max(1, int(2e6 // (b * ctx)))  # ~ms of work per timed sample
+                    t_ref, t_paged = best_of_interleaved([run_ref, run_paged], args.repeats, inner)
+                    gbs = layer.kv_bytes() / t_paged / 1e9
+                    print(f"| {str(dtype)[6:]} | {threads} | {b} | {ctx} | {t_ref * 1e3:.3f} | "
+                          f"{t_paged * 1e3:.3f} | {t_ref / t_paged:.1f}x | {gbs:.1f} |")  # fmt: skip
+    return ok
+
+
+class StepRunner:
+    """A ModelRunner with ``backend`` after prefilling ``batch`` random prompts; ``step()``
+    runs one decode step of every sequence and returns (step s, attention s)."""
+
+    def __init__(self, args: argparse.Namespace, backend: str) -> None:
+        from pdserve.config import CacheConfig, EngineConfig, LoadConfig
+        from pdserve.engine.batch import ScheduledSeq
+        from pdserve.engine.runner import ModelRunner
+        from pdserve.sampling_params import SamplingParams
+
+        load = LoadConfig(model=args.model, dtype=args.step_dtype, attention_backend=backend)
+        self.runner = ModelRunner(EngineConfig(load=load, cache=CacheConfig(num_blocks=4096)))
+        attn = self.runner.model.attn_backend
+        assert attn.name == backend, attn.name
+        self.attn_s = 0.0
+        forward = attn.forward
+
+        def timed(*a: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = forward(*a)
+            self.attn_s += time.perf_counter() - t0
+            return out
+
+        attn.forward = timed  # type: ignore[method-assign]
+        self.make, self.params = ScheduledSeq, SamplingParams(temperature=0.0, max_tokens=10**6)
+        gen = torch.Generator().manual_seed(0)
+        bs, blocks = self.runner.block_size, 0
+        self.seqs: list[dict[str, Any]] = []
+        for i in range(args.step_batch):
+            prompt = torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
+            n = (args.prompt_len + 512) // bs + 1
+            self.seqs.append(
+                {"id": f"r{i}", "prompt": prompt, "table": list(range(blocks, blocks + n))}
+            )
+            blocks += n
+        for s in self.seqs:
+            (tok,) = self.runner.execute([self._sched(s, s["prompt"], 0)])
+            assert tok is not None
+            s["computed"], s["next"] = args.prompt_len, tok.token_id
+
+    def _sched(self, s: dict[str, Any], ids: list[int], computed: int) -> Any:
+        return self.make(s["id"], ids, computed, s["table"], True, self.params, s["prompt"])
+
+    def step(self) -> tuple[float, float]:
+        self.attn_s = 0.0
+        batch = [self._sched(s, [s["next"]], s["computed"]) for s in self.seqs]
+        t0 = time.perf_counter()
+        toks = self.runner.execute(batch)
+        wall = time.perf_counter() - t0
+        for s, tok in zip(self.seqs, toks, strict=True):
+            assert tok is not None
+            s["computed"] += 1
+            s["next"] = tok.token_id
+        return wall, self.attn_s
+
+
+def step_table(args: argparse.Namespace) -> None:
+    print(f"\nwhole decode step: {args.model} {args.step_dtype}, batch {args.step_batch}, "
+          f"prompts of {args.prompt_len} tokens, {torch.get_num_threads()} thread(s)")  # fmt: skip
+    runners = {name: StepRunner(args, name) for name in ("torch_ref", "cpu_paged")}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    for _ in range(2):
+        for r in runners.values():
+            r.step()
+    for _ in range(args.repeats):
+        for name, r in runners.items():
+            times[name].append(r.step())
+    print("| backend | median step ms | best step ms | attention ms (median) | attention share |")
+    print("|---|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(t for t, _ in ts)
+        attn = statistics.median(a for _, a in ts)
+        print(f"| {name} | {med * 1e3:.1f} | {min(t for t, _ in ts) * 1e3:.1f} | "
+              f"{attn * 1e3:.1f} | {attn / med:.0%} |")  # fmt: skip
+    ref, paged = (statistics.median(t for t, _ in times[n]) for n in ("torch_ref", "cpu_paged"))
+    print(f"step speed-up (median): {ref / paged:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    kl = cpu_kernels.load()
+    if kl.lib is None:
+        print(f"bench/cpu_attention.py: error: kernel unavailable: {kl.reason}", file=sys.stderr)
+        return 2
+    ok = attention_table(args)
+    if args.step:
+        torch.set_num_threads(int(args.threads.split(",")[0]))
+        step_table(args)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""C kernels of the ``cpu_paged`` attention backend, exposed as plain functions on CPU tensors.
+
+- ``paged_decode.c``: paged decode attention (one query token per sequence) reading K/V in place
+  through the block table, online softmax, GQA without repeating K/V, optional split-K; OpenMP
+  threads over (sequence, KV head, split).
+
+The source is compiled on first use (:mod:`pdserve.attention.cpu_build`); :func:`load` says
+whether that worked. A call passes data pointers and strides to the library (no torch C++
+extension: compiling one takes a minute). What is constant over a step (block tables, lengths,
+rows) is a :class:`DecodeBatch`, checked once when the step's metadata is built; each layer's
+call then checks only its own tensors, so a step of many layers pays for one validation of
+the batch. Every index the kernel follows is range-checked before it runs: a bad table is a
+ValueError, never a read outside the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.attention.cpu_build import KernelLibrary, load_library
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+
+# the C side's dtype codes
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [
+    _ptr, _c_int64, _c_int64, _c_int,  # q, q strides (token, head), q dtype
+    _ptr, _ptr, _c_int64, _c_int,  # k_cache, v_cache, block stride, kv dtype
+    _ptr, _c_int64, _ptr,  # block tables, table row stride, seq_lens
+    _ptr, _ptr, _c_int64, _c_int64,  # rows, out, out strides (token, head)
+    _c_int, _c_int, _c_int, _c_int, _c_int,  # num_decodes, heads, kv_heads, head_dim, block_size
+    _c_float, _c_int, _c_int,  # scale, num_splits, num_threads
+]  # fmt: skip
+
+
+# the library's entry point once loaded (the per-layer calls skip the cache look-up)
+_decode_fn: Callable[..., int] | None = None
+
+
+def load() -> KernelLibrary:
+    """The compiled kernel library (compiled and cached on first use); ``.lib`` is None and
+    ``.reason`` says why when it cannot be built or loaded here."""
+    global _decode_fn
+    kl = load_library(SOURCE)
+    if kl.lib is not None and kl.lib.pd_paged_decode.argtypes is None:
+        kl.lib.pd_paged_decode.argtypes = _ARGTYPES
+        kl.lib.pd_paged_decode.restype = ctypes.c_int
+        _decode_fn = kl.lib.pd_paged_decode
+    return kl
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decode kernel's inputs that are the same for every layer of a step (CPU tensors).
+
+    block_tables: int32 [num_decodes, max_blocks] physical block ids (entries past a sequence's
+    last block are never read); seq_lens: int32 [num_decodes] context tokens, each >= 1 and
+    within its table row, including the new token (whose K/V the caller writes first); rows:
+    int64 [num_decodes] the query/output row of each decode, or None (row i = decode i).
+    Build it with :meth:`build`, which checks all of this once.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor | None
+    block_size: int
+    num_decodes: int
+    max_seq_len: int
+    max_block_id: int  # largest block id a sequence reads (checked against each layer's pool)
+    max_row: int  # largest row read (checked against each layer's q)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+        rows: torch.Tensor | None = None,
+    ) -> DecodeBatch:
+        """Check and convert (int64 tables/lengths become int32, made contiguous). Raises
+        ValueError naming the argument when a shape, dtype or length is wrong."""
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        n = int(lens.shape[0]) if lens.dim() == 1 else -1
+        if n < 0 or tables.dim() != 2 or tables.shape[0] != n:
+            raise ValueError(
+                "block_tables must be [num_decodes, max_blocks], seq_lens [num_decodes]"
+            )
+        if not (tables.is_cpu and lens.is_cpu):
+            raise ValueError("block_tables and seq_lens must be CPU tensors")
+        if rows is not None:
+            if rows.dtype != torch.int64 or rows.shape != (n,) or not rows.is_contiguous():
+                raise ValueError(f"rows must be a contiguous int64 [num_decodes={n}] tensor")
+            if n and int(rows.min()) < 0:
+                raise ValueError("rows must be >= 0")
+        if n == 0:
+            return cls(tables, lens, rows, block_size, 0, 0, -1, -1)
+        min_len, max_len = int(lens.min()), int(lens.max())
+        if min_len < 1 or max_len > tables.shape[1] * block_size:
+            raise ValueError(
+                f"seq_lens must be in [1, {tables.shape[1] * block_size}] (the tables' "
+                f"{tables.shape[1]} blocks of {block_size}); got {min_len}..{max_len}"
+            )
+        # the blocks each sequence reads: the first ceil(len / block_size) of its row
+        used = torch.arange(tables.shape[1]) < ((lens + block_size - 1) // block_size)[:, None]
+        read = tables[used]
+        if int(read.min()) < 0:
+            raise ValueError("block ids must be >= 0")
+        max_row = int(rows.max()) if rows is not None else n - 1
+        return cls(tables, lens, rows, block_size, n, max_len, int(read.max()), max_row)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+    num_threads: int | None = None,
+) -> None:
+    """Decode attention of ``batch.num_decodes`` sequences, one query token each, into ``out``.
+
+    q, out: [num_rows, heads, head_dim] CPU tensors of one dtype (float32, bfloat16 or float16),
+    head_dim contiguous; decode ``i`` reads and writes row ``batch.rows[i]`` (or row ``i``);
+    other rows of ``out`` are left untouched. k_cache, v_cache: [num_blocks, block_size,
+    kv_heads, head_dim], float32, bfloat16 or float16 (need not match q's), each block
+    contiguous, one block stride for both; heads a multiple of kv_heads (grouped-query
+    attention). ``scale``: softmax scale. ``num_splits``: context partitions per sequence,
+    merged at the end (split-K, for few sequences on many threads). ``num_threads``: OpenMP
+    threads for this call (default ``torch.get_num_threads()``).
+
+    Raises RuntimeError when the kernel library is unavailable (see :func:`load`), ValueError
+    for a shape, dtype, device or range mismatch, MemoryError when split-K scratch cannot be
+    allocated.
+    """
+    fn = _decode_fn
+    if fn is None:
+        kl = load()
+        if kl.lib is None:
+            raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
+        fn = kl.lib.pd_paged_decode
+    _check(q, k_cache, v_cache, out, batch)
+    if batch.num_decodes == 0:
+        return
+    qs, ks = q.shape, k_cache.shape
+    q_st, o_st = q.stride(), out.stride()
+    rows = batch.rows.data_ptr() if batch.rows is not None else None
+    rc = fn(
+        q.data_ptr(), q_st[0], q_st[1], _DTYPES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), _DTYPES[k_cache.dtype],
+        batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.seq_lens.data_ptr(),
+        rows, out.data_ptr(), o_st[0], o_st[1],
+        batch.num_decodes, qs[1], ks[2], qs[2], ks[1],
+        scale, max(1, num_splits), num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("paged decode kernel: out of memory for split-K partials")
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: DecodeBatch,
+) -> None:
+    """ValueError naming the first argument the kernel cannot take (cheap: once per layer)."""
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu):
+        raise ValueError("q, k_cache, v_cache and out must be CPU tensors")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
+        raise ValueError(f"dtypes {q.dtype}, {k_cache.dtype}: only float32, bfloat16, float16")
+    qs, ks, kst = q.shape, k_cache.shape, k_cache.stride()
+    if len(qs) != 3 or out.shape != qs or out.dtype != q.dtype:
+        raise ValueError(f"q and out must be [rows, heads, head_dim] of one dtype ({qs})")
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q and out must have a contiguous head_dim")
+    if len(ks) != 4 or v_cache.shape != ks or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]")
+    if kst[1:] != (ks[2] * ks[3], ks[3], 1) or v_cache.stride() != kst:
+        raise ValueError("k_cache and v_cache must be contiguous within each block, alike")
+    if ks[3] != qs[2] or qs[1] % ks[2]:
+        raise ValueError(f"q [.., {qs[1]}, {qs[2]}] does not fit caches [.., {ks[2]}, {ks[3]}]")
+    if ks[1] != batch.block_size:
+        raise ValueError(f"caches have blocks of {ks[1]}, the batch {batch.block_size}")
+    if batch.max_block_id >= ks[0]:
+        raise ValueError(f"block id {batch.max_block_id} is outside the pool ({ks[0]} blocks)")
+    if batch.max_row >= qs[0] or (batch.rows is None and qs[0] != batch.num_decodes):
+        raise ValueError(f"q has {qs[0]} rows, the batch reads {batch.num_decodes} decodes")

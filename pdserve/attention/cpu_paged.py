@@ -1,0 +1,114 @@
+"""The ``cpu_paged`` attention backend: decodes read the paged KV pool in place with a compiled C
+kernel; prefill chunks run as in ``torch_ref``.
+
+Per layer: the step's new K/V are stored by slot mapping (as ``torch_ref`` does), then every
+sequence with one query token (a decode, or a one-token prompt) goes to the paged decode kernel
+(:mod:`pdserve.attention.cpu_kernels`), which streams each sequence's blocks through its block
+table with an online softmax, groups the query heads that share a KV head, and writes straight
+into its rows of the output. Nothing is gathered or cast per step: ``torch_ref`` copies every
+decode's context into a fresh float32 tensor in every layer. Prefill chunks (longer queries)
+use ``torch_ref``'s per-sequence SDPA.
+
+The kernel is compiled on first use (:mod:`pdserve.attention.cpu_build`); creating the backend
+raises ConfigError when it cannot be built, and ``--attention-backend auto`` then keeps
+``torch_ref`` (pdserve.attention.selector).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention import cpu_kernels
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, FlatBatch, register_backend
+from pdserve.attention.cpu_kernels import DecodeBatch
+from pdserve.attention.torch_ref import PrefillSpan, attend_prefills, prefill_spans, write_kv
+from pdserve.config import ConfigError
+
+# split-K policy (FlashDecoding): with fewer (sequence, KV head) pairs than about this many per
+# thread, each sequence's context is split so every thread gets work; a split is never shorter
+# than MIN_SPLIT_TOKENS (below that the merge costs more than the balance gains)
+ITEMS_PER_THREAD = 4
+MIN_SPLIT_TOKENS = 256
+
+
+def num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_threads: int) -> int:
+    """Context partitions per sequence for the decode kernel (1 = no split-K): enough work
+    items for ``num_threads`` threads, each split at least MIN_SPLIT_TOKENS tokens long."""
+    pairs = num_decodes * kv_heads
+    if num_threads <= 1 or pairs == 0:
+        return 1
+    want = -(-ITEMS_PER_THREAD * num_threads // pairs)
+    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS))
+
+
+@dataclass(frozen=True)
+class CpuPagedMetadata(AttentionMetadata):
+    """The common metadata plus what the decode kernel and the prefill path read (CPU tensors).
+
+    ``decode``: the sequences with one query token (decodes, and one-token prompts): their rows,
+    int32 block tables and context lengths, checked once for every layer
+    (:class:`~pdserve.attention.cpu_kernels.DecodeBatch`). ``prefills``: the other sequences,
+    attended one by one as in torch_ref.
+    """
+
+    decode: DecodeBatch
+    prefills: tuple[PrefillSpan, ...]
+
+
+@register_backend("cpu_paged")
+class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
+    """Paged decode kernel in C (OpenMP over sequences x KV heads) + torch_ref's prefill path;
+    CPU tensors only. Raises ConfigError when the kernel cannot be built on this machine."""
+
+    def __init__(self) -> None:
+        kl = cpu_kernels.load()
+        if kl.lib is None:
+            raise ConfigError(f"--attention-backend cpu_paged cannot build its kernel: {kl.reason}")
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> CpuPagedMetadata:
+        """Split the batch into the decode group and per-sequence prefill spans (see
+        CpuPagedMetadata). Raises ValueError like :meth:`FlatBatch.build`."""
+        b = FlatBatch.build(query_lens, num_computed, block_tables, block_size)
+        decode_idx = [i for i in range(b.num_seqs) if b.query_lens[i] == 1]
+        if len(decode_idx) == b.num_seqs:
+            rows, seq_lens, tables = None, b.seq_lens, b.block_tables
+        else:
+            idx = torch.tensor(decode_idx, dtype=torch.int64)
+            rows, seq_lens, tables = b.query_start_loc[idx], b.seq_lens[idx], b.block_tables[idx]
+        width = -(-int(seq_lens.max()) // block_size) if decode_idx else 1
+        return CpuPagedMetadata(
+            **b.common(device),
+            decode=DecodeBatch.build(tables[:, :width], seq_lens, block_size, rows),
+            prefills=prefill_spans(b, set(decode_idx), device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: CpuPagedMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)  # each row is written by the kernel or by one prefill span
+        d = meta.decode
+        if d.num_decodes:
+            threads = torch.get_num_threads()
+            splits = num_splits(d.num_decodes, k_cache.shape[2], d.max_seq_len, threads)
+            cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d, out, scale, splits, threads)
+        if meta.prefills:
+            attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out, scale)
+        return out

@@ -1,0 +1,195 @@
+"""The C paged decode kernel against attention by definition (float64) on random paged pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_pools import shuffled_block_tables
+
+from pdserve.attention import cpu_kernels
+from pdserve.attention.cpu_kernels import DecodeBatch
+
+pytestmark = pytest.mark.timeout(300)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    kl = cpu_kernels.load()
+    assert kl.lib is not None, kl.reason  # CI has gcc: a build failure here is a defect
+
+
+class Pool:
+    """Random K/V for sequences of ``lens`` tokens in a pool whose blocks are shuffled (each
+    table out of order, spare blocks holding garbage), plus one query row per sequence."""
+
+    def __init__(
+        self,
+        lens: list[int],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.q = torch.randn(len(lens), heads, head_dim, generator=gen).to(q_dtype)
+        self.lens, self.block_size, self.scale = lens, block_size, head_dim**-0.5
+        width = max(len(t) for t in self.tables)
+        self.block_tables = torch.tensor(
+            [t + [num_blocks + 99] * (width - len(t)) for t in self.tables], dtype=torch.int32
+        )  # padding is an invalid block id: the kernel must never read it
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def reference(self, i: int) -> torch.Tensor:
+        """Decode i's attention [heads, head_dim] by definition, in float64."""
+        n, table = self.lens[i], self.tables[i]
+        k = self.k_cache[table].flatten(0, 1)[:n].double()  # [n, kv_heads, D]
+        v = self.v_cache[table].flatten(0, 1)[:n].double()
+        q = self.q[i].double()  # [heads, D]
+        group = q.shape[0] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        probs = (torch.einsum("hd,nhd->hn", q, k) * self.scale).softmax(-1)
+        return torch.einsum("hn,nhd->hd", probs, v)
+
+    def batch(self, rows: torch.Tensor | None = None) -> DecodeBatch:
+        return DecodeBatch.build(self.block_tables, self.seq_lens, self.block_size, rows)
+
+    def run(self, num_splits: int = 1, num_threads: int | None = None) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        cpu_kernels.paged_decode_attention(
+            self.q, self.k_cache, self.v_cache, self.batch(), out, self.scale, num_splits,
+            num_threads,
+        )  # fmt: skip
+        return out
+
+    def error(self, out: torch.Tensor) -> float:
+        """max over decodes of ||out_i - ref_i|| / ||ref_i||."""
+        errs = []
+        for i in range(len(self.lens)):
+            ref = self.reference(i)
+            errs.append(float((out[i].double() - ref).norm() / ref.norm()))
+        return max(errs)
+
+
+def tolerance(q_dtype: torch.dtype) -> float:
+    """fp32 accumulation gives ~1e-6; a half-precision output is rounded once (2^-8 relative)."""
+    return 2e-5 if q_dtype == torch.float32 else 8e-3
+
+
+# lengths: 1 token, block multiples (16, 32, 64), one past and one short of a block, long
+LENS = [1, 16, 17, 31, 64, 203, 1000]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (8, 1, 80, 32), (16, 2, 32, 1), (12, 1, 40, 8)],
+    ids=["gqa3-d64", "mha-d128", "gqa8-d80", "gqa8-d32-bs1", "gqa12-d40-bs8"],
+)
+def test_decode_matches_definition(
+    kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Head sizes with and without a vector-width remainder (40, 80), GQA ratios 1..12 (12 runs
+    in two passes of query heads), block sizes 1..32, one KV dtype = the query dtype."""
+    pool = Pool(LENS, heads, kv_heads, head_dim, block_size, kv_dtype, kv_dtype)
+    assert pool.error(pool.run(num_threads=1)) < tolerance(kv_dtype)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "q_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+    ids=str,
+)
+def test_kv_dtype_may_differ_from_query(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
+    pool = Pool([5, 77], 4, 2, 64, 16, kv_dtype, q_dtype, seed=1)
+    out = pool.run()
+    assert out.dtype == q_dtype and pool.error(out) < tolerance(q_dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8, 100])
+def test_split_k_and_threads_agree(num_splits: int) -> None:
+    """Split-K (including more splits than a short sequence has blocks: empty splits) on 2
+    threads equals the single-pass answer on one thread."""
+    pool = Pool([1, 40, 700, 2047], 6, 2, 64, 16, torch.float32, torch.float32, seed=2)
+    single = pool.run(num_threads=1)
+    assert pool.error(single) < tolerance(torch.float32)
+    split = pool.run(num_splits=num_splits, num_threads=2)
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+
+
+def test_long_context_bf16() -> None:
+    pool = Pool([32768, 3], 4, 1, 64, 16, torch.bfloat16, torch.bfloat16, seed=3)
+    assert pool.error(pool.run(num_splits=4, num_threads=2)) < tolerance(torch.bfloat16)
+
+
+def test_rows_select_decodes_and_leave_other_rows_alone() -> None:
+    """With ``rows`` the kernel reads and writes only those rows of a larger batch."""
+    pool = Pool([9, 30], 4, 2, 32, 4, torch.float32, torch.float32, seed=4)
+    q = torch.randn(5, 4, 32)
+    q[[3, 1]] = pool.q
+    out = torch.full_like(q, float("nan"))
+    batch = pool.batch(rows=torch.tensor([3, 1]))
+    cpu_kernels.paged_decode_attention(q, pool.k_cache, pool.v_cache, batch, out, pool.scale)
+    assert pool.error(out[[3, 1]]) < tolerance(torch.float32)
+    assert out[[0, 2, 4]].isnan().all()
+
+
+def test_int64_tables_and_strided_query_are_accepted() -> None:
+    pool = Pool([12, 3], 4, 2, 32, 4, torch.bfloat16, torch.bfloat16, seed=5)
+    wide = torch.randn(2, 4, 48).bfloat16()
+    wide[:, :, :32] = pool.q
+    q = wide[:, :, :32]  # head stride 48, not contiguous
+    out = torch.empty(2, 4, 32, dtype=torch.bfloat16)
+    batch = DecodeBatch.build(pool.block_tables.long(), pool.seq_lens.long(), 4)
+    assert batch.block_tables.dtype == torch.int32 and batch.seq_lens.dtype == torch.int32
+    cpu_kernels.paged_decode_attention(q, pool.k_cache, pool.v_cache, batch, out, pool.scale)
+    assert pool.error(out) < tolerance(torch.bfloat16)
+
+
+def test_bad_arguments_are_named() -> None:
+    pool = Pool([4, 6], 4, 2, 32, 4, torch.float32, torch.float32)
+    q, kc, vc, batch = pool.q, pool.k_cache, pool.v_cache, pool.batch()
+    out = torch.empty_like(q)
+    run = cpu_kernels.paged_decode_attention
+    with pytest.raises(ValueError, match="q and out must be"):
+        run(q, kc, vc, batch, out.bfloat16(), pool.scale)
+    with pytest.raises(ValueError, match="does not fit caches"):
+        run(q[:, :3], kc, vc, batch, out[:, :3], pool.scale)
+    with pytest.raises(ValueError, match="only float32, bfloat16, float16"):
+        run(q.int(), kc, vc, batch, out.int(), pool.scale)
+    with pytest.raises(ValueError, match="contiguous within each block"):
+        run(q, kc.transpose(1, 2), vc.transpose(1, 2), batch, out, pool.scale)
+    with pytest.raises(ValueError, match="caches have blocks of 4, the batch 8"):
+        run(q, kc, vc, DecodeBatch.build(pool.block_tables, pool.seq_lens, 8), out, pool.scale)
+    with pytest.raises(ValueError, match="q has 2 rows, the batch reads 2 decodes"):
+        run(q, kc, vc, pool.batch(rows=torch.tensor([0, 2])), out, pool.scale)
+    with pytest.raises(ValueError, match="q has 1 rows"):
+        run(q[:1], kc, vc, batch, out[:1], pool.scale)
+    # every index the kernel would follow is range-checked first
+    far = pool.block_tables.clone()
+    far[1, 0] = kc.shape[0]
+    with pytest.raises(ValueError, match=f"block id {kc.shape[0]} is outside the pool"):
+        run(q, kc, vc, DecodeBatch.build(far, pool.seq_lens, 4), out, pool.scale)
+    far[1, 0] = -1
+    with pytest.raises(ValueError, match="block ids must be >= 0"):
+        DecodeBatch.build(far, pool.seq_lens, 4)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\]"):
+        DecodeBatch.build(pool.block_tables, torch.tensor([4, 9]), 4)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\]"):
+        DecodeBatch.build(pool.block_tables, torch.tensor([0, 1]), 4)
+    with pytest.raises(ValueError, match="rows must be"):
+        pool.batch(rows=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        DecodeBatch.build(pool.block_tables, pool.seq_lens[:1], 4)
