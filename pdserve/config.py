@@ -181,6 +181,9 @@ class LoadConfig:
     those cannot run) | torch_ref | cpu_paged | triton;
     :func:`pdserve.attention.selector.select_attention_backend` resolves it against the device and
     the model's head size when the model is built.
+    ``torch_compile``: on CPU, compile the model's decoder with ``torch.compile`` at startup
+    (pdserve/model/compile.py; elsewhere the model runs eagerly). Off for library use and tests;
+    ``pdserve serve`` turns it on unless ``--enforce-eager`` is given (vLLM's flag).
     """
 
     model: str = "smollm2"
@@ -189,6 +192,7 @@ class LoadConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

@@ -130,6 +130,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         device=resolve_device(args.device),
         seed=args.seed,
         attention_backend=args.attention_backend,
+        torch_compile=not args.enforce_eager,
     )
     model = load_model_config(load)
     select_attention_backend(load.attention_backend, load.device, model.head_dim)

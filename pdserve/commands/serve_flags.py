@@ -118,6 +118,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto (triton on CUDA, cpu_paged on CPU) | torch_ref | cpu_paged | triton",
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly: skip compiling it with torch.compile at worker startup "
+        "(CPU; compiling takes from seconds, with inductor's on-disk cache warm, to minutes)",
+    )
+    g.add_argument(
         "--seed", type=int, default=LoadConfig.seed, help="seed of --load-format dummy weights"
     )
     g.add_argument(

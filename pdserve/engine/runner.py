@@ -16,6 +16,7 @@ prefix cache has none, so a scheduler must not use the cache for such a request.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,10 +25,13 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
+from pdserve.model.compile import compile_model
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
 from pdserve.types import PromptLogprobs, SampledToken
+
+log = logging.getLogger(__name__)
 
 # Prompt rows whose full-vocabulary logits exist at once while computing prompt logprobs.
 PROMPT_LOGPROB_ROWS = 256
@@ -52,8 +56,9 @@ class ModelRunner:
     ``model_config``: given, it overrides the checkpoint's (with ``load_format='dummy'`` it is the
     only config: random weights seeded by ``config.load.seed``). ``pack_weights``: on CPU, hold
     linear weights pre-packed for oneDNN (:func:`pdserve.model.cpu_linear.pack_linears`; faster,
-    same results within rounding); False keeps the loader's dense layers. Raises ConfigError while
-    loading.
+    same results within rounding); False keeps the loader's dense layers. With
+    ``config.load.torch_compile`` on CPU the decoder is compiled in the constructor (a forward of
+    one dummy token; ``compile_seconds`` says how long it took). Raises ConfigError while loading.
     """
 
     def __init__(
@@ -85,6 +90,30 @@ class ModelRunner:
         )
         self._kv_caches = [self.kv_pool.layer(i) for i in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids)
+        # seconds spent compiling at startup (0 when eager)
+        self.compile_seconds = 0.0
+        if load.torch_compile and self.device.type == "cpu":
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile the decoder now (before the worker reports ready). A failure (no C++ compiler,
+        an unsupported op) is logged and the model stays eager: slower, same results."""
+        try:
+            self.compile_seconds = compile_model(self.model, warmup=self._warmup)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means "serve eagerly"
+            log.warning(
+                "torch.compile of the model failed; running eagerly (--enforce-eager skips the "
+                "attempt): %s",
+                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+            )
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One forward of a dummy token into block 0 (free at startup: whatever is written there
+        is overwritten before any sequence reads it)."""
+        meta = self.model.attn_backend.build_metadata([1], [0], [[0]], self.block_size, self.device)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.model(ids, meta.positions, meta, self._kv_caches)
 
     def _check(self, batch: Sequence[ScheduledSeq]) -> None:
         vocab = self.model_config.vocab_size
@@ -132,9 +161,17 @@ class ModelRunner:
             meta,
             self._kv_caches,
         )  # [num_tokens, hidden]
-        last_rows = meta.query_start_loc[1:] - 1
-        want = torch.tensor([s.sample for s in batch], dtype=torch.bool, device=self.device)
-        return self.model.compute_logits(hidden[last_rows[want]]), hidden, meta.query_start_loc
+        # the last row of every sampling sequence (plain ints: no per-step mask tensors)
+        rows, end = [], 0
+        for seq in batch:
+            end += len(seq.token_ids)
+            if seq.sample:
+                rows.append(end - 1)
+        if len(rows) < len(ids):  # else every row samples (a decode-only step): no gather
+            hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        else:
+            hidden_rows = hidden
+        return self.model.compute_logits(hidden_rows), hidden, meta.query_start_loc
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken | None]:
         """One step: forward, KV written by slot mapping, then sampling. Returns one entry per
@@ -150,12 +187,13 @@ class ModelRunner:
             return StepOutput([])
         logits, hidden, starts = self._forward(batch)
         prompt_lps: dict[str, PromptLogprobs] = {}
-        offsets = starts.tolist()
-        for i, seq in enumerate(batch):
-            if seq.sampling.prompt_logprobs is not None:
-                lp = self._prompt_logprobs(seq, hidden[offsets[i] : offsets[i + 1]])
-                if lp is not None:
-                    prompt_lps[seq.request_id] = lp
+        if any(seq.sampling.prompt_logprobs is not None for seq in batch):
+            offsets = starts.tolist()
+            for i, seq in enumerate(batch):
+                if seq.sampling.prompt_logprobs is not None:
+                    lp = self._prompt_logprobs(seq, hidden[offsets[i] : offsets[i + 1]])
+                    if lp is not None:
+                        prompt_lps[seq.request_id] = lp
         sampling = [s for s in batch if s.sample]
         tokens = iter(self.sampler(logits, sampling) if sampling else [])
         return StepOutput([next(tokens) if s.sample else None for s in batch], prompt_lps)

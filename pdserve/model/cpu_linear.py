@@ -50,10 +50,29 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] (weight dtype) -> [..., out_features]."""
+        if torch.compiler.is_compiling():
+            out: torch.Tensor = _packed_linear_op(x, self.packed_weight, self.bias)
+            return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+# Inductor lowers mkldnn._linear_pointwise only for weights it packed itself (frozen graph
+# constants); a compiled decoder (pdserve/model/compile.py) reaches the same oneDNN call through
+# this opaque op instead, with the weight as a graph input, so one graph serves every layer.
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return out
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
 
 
 @functools.cache

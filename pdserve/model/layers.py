@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import RopeScaling
+from pdserve.model.paged_attention import paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -78,19 +78,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for a step's positions, computed once per forward and shared by all layers.
+    """cos/sin tables of every position, built once; a step looks its positions up in them.
 
     Uses the "rotate half" layout of Hugging Face checkpoints: dimension ``i`` pairs with
-    ``i + head_dim / 2`` (GGUF's interleaved layout is converted at load time).
+    ``i + head_dim / 2`` (GGUF's interleaved layout is converted at load time). The table covers
+    positions ``0 .. max_positions - 1`` (the engine keeps sequences within the model's
+    ``max_position_embeddings``); its values are those of computing ``cos(p * inv_freq)`` per step
+    in float32 and casting, so the lookup changes no result. The sine half that multiplies the
+    first half of a rotated vector is stored negated (see :func:`apply_rotary`).
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
-        self._inv_freq: torch.Tensor | None = None  # float32 [head_dim // 2], built lazily
+        self.max_positions = max_positions
         self._freq_factors: torch.Tensor | None = None
+        # [max_positions, 2, head_dim] (cos | signed sin) in the model dtype, built on first use
+        # (the model is created on the meta device and filled by the loader)
+        self._table: torch.Tensor | None = None
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """Divide every inverse frequency by ``factors`` float32 [head_dim // 2] (how GGUF files
@@ -101,34 +110,47 @@ class RotaryEmbedding(nn.Module):
                 f"got {tuple(factors.shape)}"
             )
         self._freq_factors = factors.float()
-        self._inv_freq = None
+        self._table = None
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        if self._freq_factors is not None:
+            inv_freq = inv_freq / self._freq_factors
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        return table.to(device)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [num_tokens] -> (cos, sin) each [num_tokens, 1, head_dim] in ``dtype``."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-            if self._freq_factors is not None:
-                inv_freq = inv_freq / self._freq_factors
-            self._inv_freq = inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions int64 [num_tokens] (each < ``max_positions``) -> (cos, signed sin), each
+        [num_tokens, 1, head_dim] in ``dtype`` (strided views of one lookup)."""
+        table = self._table
+        if table is None or table.device != positions.device or table.dtype != dtype:
+            table = self._table = self._build(positions.device, dtype)
+        rows = table.index_select(0, positions)[:, :, None, :]  # [num_tokens, 2, 1, head_dim]
+        return rows[:, 0], rows[:, 1]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, heads, head_dim] by position (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x [num_tokens, heads, head_dim] by position (rotate-half layout).
+
+    ``sin`` is the signed table of :class:`RotaryEmbedding` (``-sin`` on the first half), so
+    ``rotate_half(x) * sin_hf`` = ``cat(-x2, x1) * sin_hf`` becomes ``roll(x, half) * sin``: the
+    same products (negation is exact) from one halves swap instead of a negation and a
+    concatenation (the roll is also the fastest swap on CPU, at every token count).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with RoPE over the paged KV cache.
 
     ``qkv_bias``: bias on the fused q|k|v projection (Qwen2); ``o_bias``: bias on the output
-    projection. The attention itself is delegated to ``backend``.
+    projection. ``layer_index``: which of the step's KV caches is this layer's. The attention
+    itself is the step's backend, reached through :func:`pdserve.model.paged_attention.paged_attention`.
     """
 
     def __init__(
@@ -139,9 +161,10 @@ class Attention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         o_bias: bool,
-        backend: AttentionBackend,
+        layer_index: int,
     ) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
@@ -149,23 +172,16 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.scale = head_dim**-0.5
-        self.backend = backend
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """x [num_tokens, hidden] -> [num_tokens, hidden]; writes this layer's new K/V."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden], cos/sin [num_tokens, 1, head_dim] (:class:`RotaryEmbedding`)
+        -> [num_tokens, hidden]; writes this layer's new K/V (inside a step context)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        cos, sin = rope
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, self.layer_index, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

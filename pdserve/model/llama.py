@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, get_backend
 from pdserve.config import ModelConfig
 from pdserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from pdserve.model.paged_attention import step_context
 from pdserve.model.registry import CausalLM, register_model
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -26,9 +27,7 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 class DecoderLayer(nn.Module):
     """``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
-    def __init__(
-        self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(
@@ -38,36 +37,38 @@ class DecoderLayer(nn.Module):
             cfg.head_dim,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            backend=backend,
+            layer_index=layer_index,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers and the final norm: the part of a forward that
+    :mod:`pdserve.model.compile` may compile (tensor inputs only, all of the step's token count)."""
 
-    def __init__(
-        self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, qkv_bias, o_bias, backend) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, qkv_bias, o_bias, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids int64 [num_tokens], cos/sin [num_tokens, 1, head_dim] -> final-norm hidden
+        states [num_tokens, hidden] (attending inside the caller's step context)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -90,7 +91,10 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         qkv_bias, o_bias = self.projection_biases(config)
         self.attn_backend: AttentionBackend = backend or get_backend()
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.attn_backend)
+        self.model = LlamaModel(config, qkv_bias, o_bias)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
         # None = tied: logits from the embedding matrix (a transform such as
         # pdserve.model.cpu_linear.pack_linears may install a packed copy here)
         self.lm_head: nn.Module | None = None
@@ -112,11 +116,14 @@ class LlamaForCausalLM(CausalLM):
         """input_ids, positions int64 [num_tokens]; ``kv_caches[i]`` = layer i's (k_cache,
         v_cache) [num_blocks, block_size, kv_heads, head_dim]. Returns the final-norm hidden
         states [num_tokens, hidden]."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, meta, kv_cache)
-        return self.model.norm(x)
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        cos, sin = self.rotary_emb(positions, self.model.embed_tokens.weight.dtype)
+        with step_context(self.attn_backend, meta, kv_caches):
+            return self.decoder()(input_ids, cos, sin)
+
+    def decoder(self) -> nn.Module:
+        return self.model
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -128,7 +135,7 @@ class LlamaForCausalLM(CausalLM):
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
-        self.model.rotary_emb.set_freq_factors(factors)
+        self.rotary_emb.set_freq_factors(factors)
 
 
 @register_model("Qwen2ForCausalLM")

@@ -48,6 +48,14 @@ class CausalLM(nn.Module):
         """Flat packed tokens -> final hidden states [num_tokens, hidden]."""
 
     @abstractmethod
+    def decoder(self) -> nn.Module:
+        """The part of :meth:`forward` that :func:`pdserve.model.compile.compile_model` compiles:
+        a module whose tensor arguments and result all have the step's token count as their first
+        dimension, and that reaches attention only through
+        :func:`pdserve.model.paged_attention.paged_attention` (no per-step metadata, no host-side
+        work). ``forward`` must call it as ``self.decoder()(...)``."""
+
+    @abstractmethod
     def input_embeddings(self) -> nn.Embedding:
         """The token embedding table [vocab, hidden]."""
 

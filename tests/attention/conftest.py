@@ -166,7 +166,7 @@ def _greedy_tokens(backend: str, prompts: list[list[int]]) -> list[list[int]]:
         ),
         TINY,
     )
-    attn = engine.runner.model.model.layers[0].self_attn.backend
+    attn = engine.runner.model.attn_backend
     assert attn.name == backend
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = engine.generate(prompts, params) + engine.generate(prompts[:1], params)

@@ -16,6 +16,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 # Small KV pools and context keep memory low on a shared 2-core machine.
 SMALL = ["--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-model-len", "2048"]
+# Servers under test run the model eagerly: compiling it (pdserve serve's default on CPU) would
+# add up to minutes per server start; tests/engine/test_compile_smollm2.py covers that path.
+EAGER = ["--enforce-eager"]
 
 
 def free_port() -> int:
@@ -57,7 +60,7 @@ class ServeProcess:
         cmd = [
             sys.executable, "-m", "pdserve.cli", command,
             "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-            *(SMALL if command == "serve" else SMALL[2:]), *args,
+            *(SMALL + EAGER if command == "serve" else SMALL[2:]), *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,

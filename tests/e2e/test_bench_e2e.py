@@ -49,7 +49,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "serve", "--model", "smollm2",
+            [sys.executable, "-m", "pdserve.cli", "serve", "--model", "smollm2", "--enforce-eager",
              "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
