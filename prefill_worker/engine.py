@@ -239,7 +239,9 @@ class PrefillEngine(WorkerEngine):
                 self._record_step(
                     time.perf_counter() - t0, output.num_scheduled_tokens, len(output.seqs)
                 )
-                for seq, token in finished:
+                # Smallest KV first: a sender's queue is FIFO per decode worker, so a short
+                # prompt's transfer never waits behind a long one finished in the same step.
+                for seq, token in sorted(finished, key=lambda f: f[0].num_prompt_tokens):
                     self._hand_off(seq, token, now)
         except Exception as e:  # noqa: BLE001 - the worker keeps serving the others
             logger.exception("prefill forward failed")

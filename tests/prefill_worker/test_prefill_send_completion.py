@@ -140,3 +140,16 @@ def test_abort_while_sending_frees_blocks_and_ignores_the_late_ack(
     eng.check_integrity()
     assert eng.stats().num_prefills == 0 and not eng.has_work()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_shorter_prompts_kv_is_sent_first_within_a_step(
+    engine: tuple[PrefillEngine, HeldSender],
+) -> None:
+    eng, sender = engine
+    big = PrefillRequest("big", prompt(120, seed=5), GREEDY, target=KVTarget(5, "peer:1"))
+    futs = [eng.add_request(big), eng.add_request(_req("small", 6, seed=6))]
+    eng.step()  # both prompts finish in this step; the later, smaller one is sent first
+    assert list(sender.sent) == [6, 5]
+    sender.ack(6)
+    sender.ack(5)
+    assert [f.result(WAIT_S).request_id for f in futs] == ["big", "small"]
