@@ -250,8 +250,11 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens``: tokens computed in one forward (prefill chunks + decodes).
     ``max_num_seqs``: sequences in one step. ``max_model_len``: prompt + output tokens per request.
-    ``long_prefill_token_threshold``: prompts longer than this are chunked so they never take more
-    than this many tokens of a step while shorter prompts wait (0 = max_num_batched_tokens // 2).
+    ``long_prefill_token_threshold``: prompts with more tokens than this to compute are *long*; on
+    a prefill worker long prompts share at most this many tokens of any step, so shorter prompts
+    never wait for a whole long one (0 = ``max_num_batched_tokens // 8``; see
+    prefill_worker/scheduler.py); for a decode worker's local (unified-mode) prefills it caps the
+    prompt tokens of a step that also decodes (0 = ``max_num_batched_tokens // 2``).
     """
 
     max_num_batched_tokens: int = 2048
@@ -266,6 +269,11 @@ class SchedulerConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
                 )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "--long-prefill-token-threshold must be >= 0 (0 = automatic), got "
+                f"{self.long_prefill_token_threshold}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "--max-num-batched-tokens must be >= --max-model-len when chunked prefill is off"

@@ -9,8 +9,11 @@ cache. See ``prefill_worker/request.py`` for the per-request state machine.
 
 The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
 Callers wait on the ``concurrent.futures.Future`` ``add_request`` returns. Send completions
-arrive on the sender's threads; they only queue a notice and wake the loop, which applies them
-at the next step boundary.
+arrive on the sender's threads, which apply them at once under the engine lock (held only for
+bookkeeping, never across a forward), so a request's result goes out when its KV is acked, not
+after the forward that was running meanwhile (which on a CPU can take seconds). NOTE: the sender
+resolves transfer futures holding none of its own locks, and the engine calls the sender only for
+``send`` (non-blocking) under its lock, so the two locks cannot deadlock.
 
 NOTE: an abort during a forward frees the request's blocks while the forward may still write
 into them. That is safe: new blocks are only handed out by ``schedule()`` on the step thread,
@@ -19,8 +22,8 @@ after the forward returns, and a forward only writes blocks that are not yet pre
 
 from __future__ import annotations
 
+import functools
 import logging
-import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -104,9 +107,6 @@ class PrefillEngine(WorkerEngine):
         self.sender = sender
         self.scheduler = PrefillScheduler(config.scheduler, self.kv)
         self._pending: dict[str, _Pending] = {}
-        self._completions: queue.SimpleQueue[tuple[_Pending, Future[TransferRecord]]] = (
-            queue.SimpleQueue()
-        )
         self._owns_sender = False
         self.num_prefills = 0
         self.transfer_bytes = 0
@@ -221,7 +221,6 @@ class PrefillEngine(WorkerEngine):
     def step(self) -> int:
         """Run one engine step. Returns the number of prompt tokens computed (0 when idle)."""
         with self._lock:
-            self._drain_completions()
             self._expire_deadlines()
             if self.faults is not None and self.scheduler.num_waiting:
                 self.faults.at(FaultPhase.PREFILL_QUEUED)
@@ -240,7 +239,9 @@ class PrefillEngine(WorkerEngine):
                 self._record_step(
                     time.perf_counter() - t0, output.num_scheduled_tokens, len(output.seqs)
                 )
-                for seq, token in finished:
+                # Smallest KV first: a sender's queue is FIFO per decode worker, so a short
+                # prompt's transfer never waits behind a long one finished in the same step.
+                for seq, token in sorted(finished, key=lambda f: f[0].num_prompt_tokens):
                     self._hand_off(seq, token, now)
         except Exception as e:  # noqa: BLE001 - the worker keeps serving the others
             logger.exception("prefill forward failed")
@@ -274,37 +275,30 @@ class PrefillEngine(WorkerEngine):
             self._fail(seq.request_id, EngineError(UNAVAILABLE, f"KV send failed: {e}"))
             return
 
-        def done(f: Future[TransferRecord], p: _Pending = p) -> None:
-            self._completions.put((p, f))
-            self.wake()
+        fut.add_done_callback(functools.partial(self._transfer_done, p))
 
-        fut.add_done_callback(done)
-
-    def _drain_completions(self) -> None:
-        while True:
-            try:
-                p, f = self._completions.get_nowait()
-            except queue.Empty:
-                return
+    def _transfer_done(self, p: _Pending, f: Future[TransferRecord]) -> None:
+        """A KV send ended (on the sender's thread, or at once in ``send``): resolve the request
+        now (see the module docstring) and wake the loop, whose freed blocks may admit more."""
+        with self._lock:
             rid = p.seq.request_id
             if self._pending.get(rid) is not p:
-                continue  # aborted while sending; its blocks are already free
+                return  # aborted while sending; its blocks are already free
             exc = f.exception()
             if exc is not None:
                 self.transfer_failures += 1
                 self._fail(rid, EngineError(UNAVAILABLE, f"KV transfer failed: {exc}"))
-                continue
-            record = f.result()
-            if record.outcome is not TransferOutcome.OK:
+            elif (record := f.result()).outcome is not TransferOutcome.OK:
                 # 'dropped': the decode worker held no reservation (it gave the request up).
                 self.transfer_failures += 1
                 reason = f": {record.error}" if record.error else ""
                 self._fail(
                     rid, EngineError(UNAVAILABLE, f"KV transfer {record.outcome.value}{reason}")
                 )
-                continue
-            self.transfer_bytes += int(record.bytes)
-            self._complete(p, record)
+            else:
+                self.transfer_bytes += int(record.bytes)
+                self._complete(p, record)
+        self.wake()
 
     def _complete(self, p: _Pending, record: TransferRecord | None) -> None:
         """Resolve the request's future and free its blocks (kept as prefix cache)."""

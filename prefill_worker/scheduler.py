@@ -3,31 +3,41 @@
 Each ``schedule()`` call packs prompt chunks of several requests into one step under
 ``max_num_batched_tokens`` (B) and ``max_num_seqs``.
 
-Policy (first-come-first-served with a bounded delay for short prompts):
+Policy (short prompts never wait for whole long prompts; long prompts always progress):
 
-* A request is *long* while its uncomputed remainder exceeds the threshold
-  ``T = long_prefill_token_threshold`` (``0`` means ``B // 2``); otherwise it is *short*.
-* Pass 1 walks requests in arrival order: running (already admitted) ones first, then the waiting
-  queue. Short requests take their whole remainder while budget lasts. All long requests of a
-  step **share at most T tokens** between them (the earliest gets them first), so at least
-  ``B - T`` tokens of every step stay available to short prompts. A waiting long request that
-  finds the long share used up is passed over (it keeps its place), so shorter prompts behind it
-  still run.
-* Pass 2 (work conserving): budget left after pass 1 goes to the long requests, in arrival order,
-  so a long prompt alone on the worker runs at the full B tokens per step.
+* When a request is admitted, it is *long* if the prompt tokens it has left to compute (after
+  prefix-cache hits) exceed ``T = long_prefill_token_threshold`` (``0`` = ``max(1, B // 8)``),
+  else *short*. The class is kept until the prompt is done, so a long prompt's last chunk never
+  jumps ahead of short prompts.
+* One walk in admission/arrival order: running (admitted) requests first, then the waiting
+  queue. A short request takes its whole remainder while budget lasts (a remainder the budget
+  cuts continues next step, at the head of the line). Long requests **share at most T tokens per
+  step** between them, the earliest first, and get no more even when the rest of the budget is
+  unused: every step then computes at most T tokens of long prompts, so a short prompt arriving
+  during a step waits for one such step, never for a whole long prompt (a step's time grows with
+  its tokens, and on a CPU faster than linearly with a chunk's attention context). A waiting long
+  request that finds the long share used up is passed over (it keeps its place), so shorter
+  prompts behind it still run.
 * Admission reserves KV blocks for the request's whole prompt at once (a prefill worker holds KV
   only until it is sent), after reusing cached prefix blocks. If the pool cannot hold the next
   request to admit, admission stops for the step: memory is strictly first-come-first-served,
   so small prompts cannot starve a big one.
 
-The bound: a short prompt (remainder <= T) that reaches the head of the short requests is
-scheduled within one step, and the short prompts ahead of it are served at >= ``B - T`` tokens
-per step, so its wait is at most ``ceil(short tokens ahead / (B - T)) + 1`` steps regardless of
-how many long prompts arrived before it (given KV room and ``max_num_seqs``). A long prompt
-progresses by at least ``T`` tokens per step once it is the earliest long request.
+The bounds (given KV room and ``max_num_seqs``, and ``T < B``):
 
-With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no T cap; config ensures
-``B >= max_model_len``).
+* Short prompts: every step gives at most T tokens to long prompts, so the short prompts, served
+  in arrival order, get at least ``B - T`` tokens of every step while any is queued. A short
+  prompt with ``r`` tokens to compute, arriving while short prompts with ``A`` tokens to compute
+  are ahead of it, is fully scheduled within ``ceil((A + r) / (B - T))`` steps after the step in
+  progress when it arrived, however many long prompts are queued. (A waiting request's class is
+  decided at admission: one that arrived earlier and turns short through a new prefix-cache hit
+  counts in ``A``.)
+* Long prompts (no starvation): they are served in admission order at up to T tokens per step,
+  so once every request admitted before it is done, a long prompt gains ``min(T, remaining)``
+  tokens every step, whatever short prompts keep arriving.
+
+With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no T cap;
+config ensures ``B >= max_model_len``).
 """
 
 from __future__ import annotations
@@ -52,9 +62,23 @@ class PrefillSeq(EngineSeq[PrefillRequest]):
     arrival: float = field(default_factory=time.monotonic)
     state: PrefillState = PrefillState.WAITING
     first_scheduled: float | None = None
+    is_long: bool = False  # its class, decided at admission (see the module docstring)
 
 
 PrefillOutput = SchedulerOutput[PrefillSeq]
+
+LONG_SHARE_DIVISOR = 8
+"""Default long-prompt share of a step: ``max_num_batched_tokens // 8`` (256 tokens at the default
+2048). Chosen by measurement, not taken from elsewhere: SmolLM2-135M on one core of a 2-core CPU
+computes a 256-token chunk in about 0.3-2 s depending on its context and the machine's load, so a
+short prompt waits about a second for a step of long-prompt work; larger chunks made steps (and
+that wait) grow faster than their size, and 128-token chunks made long prompts slower in total.
+A server with more compute per step (a GPU) sets ``--long-prefill-token-threshold`` itself."""
+
+
+def default_long_threshold(max_num_batched_tokens: int) -> int:
+    """T when ``long_prefill_token_threshold`` is 0: ``max(1, B // LONG_SHARE_DIVISOR)``."""
+    return max(1, max_num_batched_tokens // LONG_SHARE_DIVISOR)
 
 
 class PrefillScheduler:
@@ -67,7 +91,7 @@ class PrefillScheduler:
         self.config = config
         self.kv = kv
         b = config.max_num_batched_tokens
-        t = config.long_prefill_token_threshold or max(1, b // 2)
+        t = config.long_prefill_token_threshold or default_long_threshold(b)
         self.long_threshold = min(t, b)
         self._waiting: deque[PrefillSeq] = deque()
         self._running: list[PrefillSeq] = []  # admitted, prompt not fully computed; FCFS
@@ -141,63 +165,36 @@ class PrefillScheduler:
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens
-        long_left = self.long_threshold if chunked else budget
+        long_left = self.long_threshold  # the long requests' share of this step, tokens
         picks: dict[PrefillSeq, int] = {}
-
-        def is_long(remaining: int) -> bool:
-            return chunked and remaining > self.long_threshold
-
-        # Pass 1: arrival order; long requests share at most T tokens of the step.
         for seq in self._running:
             if budget == 0 or len(picks) >= cfg.max_num_seqs:
                 break
             n = min(seq.num_remaining_prompt_tokens, budget)
-            if is_long(seq.num_remaining_prompt_tokens):
+            if seq.is_long:
                 n = min(n, long_left)
                 long_left -= n
             if n > 0:
                 picks[seq] = n
                 budget -= n
-        passed_over: list[PrefillSeq] = []
         for seq in list(self._waiting):
             if budget == 0 or len(picks) >= cfg.max_num_seqs:
                 break
             blocks, cached = self._lookup(seq)
             remaining = seq.num_prompt_tokens - cached
-            if is_long(remaining) and long_left == 0:
-                passed_over.append(seq)  # keeps its place; shorter prompts behind it may run
-                continue
+            is_long = chunked and remaining > self.long_threshold
+            if is_long and long_left == 0:
+                continue  # passed over: keeps its place; shorter prompts behind it may run
             if not chunked and remaining > budget:
                 break  # runs whole next step
-            if not self._admit(seq, blocks, cached):
+            if not self._admit(seq, blocks, cached, is_long):
                 break  # memory is FCFS: nothing behind it may overtake
             n = min(remaining, budget)
-            if is_long(remaining):
+            if is_long:
                 n = min(n, long_left)
                 long_left -= n
             picks[seq] = n
             budget -= n
-        # Pass 2 (work conserving): leftover budget to long requests in arrival order.
-        if chunked:
-            for seq in self._running:
-                if budget == 0:
-                    break
-                have = picks.get(seq, 0)
-                if have == 0 and len(picks) >= cfg.max_num_seqs:
-                    continue
-                extra = min(seq.num_remaining_prompt_tokens - have, budget)
-                if extra > 0:
-                    picks[seq] = have + extra
-                    budget -= extra
-            for seq in passed_over:
-                if budget == 0 or len(picks) >= cfg.max_num_seqs:
-                    break
-                blocks, cached = self._lookup(seq)
-                if not self._admit(seq, blocks, cached):
-                    break
-                n = min(seq.num_remaining_prompt_tokens, budget)
-                picks[seq] = n
-                budget -= n
 
         t = time.monotonic() if now is None else now
         out = PrefillOutput()
@@ -220,11 +217,13 @@ class PrefillScheduler:
             return [], 0
         return self.kv.get_computed_blocks(seq.token_ids, record_stats=False)
 
-    def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int) -> bool:
+    def _admit(self, seq: PrefillSeq, blocks: list[int], cached: int, is_long: bool) -> bool:
         """Reserve blocks for the whole prompt, reusing the cached ``blocks`` (looked up just
-        before, with no allocation in between). WAITING -> RUNNING; False when no room."""
+        before, with no allocation in between), and fix the request's class.
+        WAITING -> RUNNING; False when no room."""
         if self.kv.allocate_slots(seq.request_id, seq.num_prompt_tokens, blocks) is None:
             return False
+        seq.is_long = is_long
         self.kv.record_prefix_query(seq.num_prompt_tokens, cached)  # the hit rate counts admissions
         seq.num_cached = cached
         seq.num_computed = cached

@@ -48,6 +48,8 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         CacheConfig(block_size=12)
     with pytest.raises(ConfigError, match="max-num-seqs"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="long-prefill-token-threshold must be >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
     with pytest.raises(ConfigError, match="dtype"):
         LoadConfig(dtype="int3")
 

@@ -154,6 +154,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
         worker_host=args.worker_host,

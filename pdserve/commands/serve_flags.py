@@ -154,6 +154,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens computed per step",
     )
     g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=SchedulerConfig.long_prefill_token_threshold,
+        help="prompts with more tokens than this to compute are long: on a prefill worker they "
+        "share at most this many tokens of a step, so short prompts never wait for a whole long "
+        "one (0 = automatic: --max-num-batched-tokens // 8 on prefill workers, // 2 for a decode "
+        "worker's local prefills)",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=CacheConfig.enable_prefix_caching,

@@ -4,6 +4,10 @@ engine: wake-ups, failure handling, shutdown, and pings answered while the model
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -14,7 +18,7 @@ import grpc
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.actor import WorkerActor, threads_for
+from pdserve.engine.actor import WorkerActor, restore_priority, threads_for
 from pdserve.engine.errors import INTERNAL, UNAVAILABLE
 from pdserve.engine.step_window import StepWindow
 from pdserve.engine.worker_engine import WorkerEngine
@@ -160,3 +164,32 @@ async def test_actor_answers_pings_while_the_model_loads() -> None:
 
 def test_threads_for() -> None:
     assert threads_for(0.5) == 1 and threads_for(1.0) == 1 and threads_for(2.4) == 2
+
+
+def _may_raise_priority() -> bool:
+    """CAP_SYS_NICE (bit 23 of the effective capabilities) or an RLIMIT_NICE reaching 0."""
+    with open("/proc/self/status") as f:
+        caps = next(int(ln.split()[1], 16) for ln in f if ln.startswith("CapEff:"))
+    return bool(caps >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def test_restore_priority_undoes_rays_niceness_when_allowed() -> None:
+    # A process started at niceness 15, as Ray starts its workers.
+    code = (
+        "import os\n"
+        "from pdserve.engine.actor import restore_priority\n"
+        "got = restore_priority()\n"
+        "print(got, os.getpriority(os.PRIO_PROCESS, 0))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: os.nice(15),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    got, now = int(out[0]), int(out[1])
+    assert got == now
+    assert now == (0 if _may_raise_priority() else 15)
+    assert restore_priority() == os.getpriority(os.PRIO_PROCESS, 0)  # at 0 already: unchanged

@@ -41,7 +41,7 @@ TINY = ModelConfig(
 def tiny_config(
     num_blocks: int = 256,
     max_num_batched_tokens: int = 256,
-    long_prefill_token_threshold: int = 0,
+    long_prefill_token_threshold: int = 128,
     enable_prefix_caching: bool = True,
     backend: str = "loopback",
 ) -> EngineConfig:

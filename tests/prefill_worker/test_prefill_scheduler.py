@@ -1,4 +1,7 @@
-"""PrefillScheduler: chunk packing, the long-prompt bound, prefix hits, FCFS memory, removal."""
+"""PrefillScheduler: chunk packing, the long-prompt share, prefix hits, FCFS memory, removal.
+
+The policy's bounds over random traffic are checked in test_prefill_scheduler_bounds.py.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ BS = 16
 
 
 def _sched(
-    num_blocks: int = 256, batched: int = 256, threshold: int = 0, max_seqs: int = 64, **kw: bool
+    num_blocks: int = 256, batched: int = 256, threshold: int = 128, max_seqs: int = 64, **kw: bool
 ) -> PrefillScheduler:
     cfg = SchedulerConfig(
         max_num_batched_tokens=batched,
@@ -50,12 +53,17 @@ def _step(s: PrefillScheduler) -> dict[str, int]:
     return {x.request_id: len(x.token_ids) for x in out.scheduled}
 
 
-def test_long_prompt_is_chunked_and_runs_at_full_budget_alone() -> None:
+def test_default_long_share_is_an_eighth_of_the_budget() -> None:
+    assert _sched(batched=2048, threshold=0).long_threshold == 256
+    assert _sched(batched=4, threshold=0).long_threshold == 1
+    assert _sched(batched=256, threshold=1000).long_threshold == 256  # never above the budget
+
+
+def test_long_prompt_runs_t_tokens_per_step_even_alone() -> None:
     s = _sched()
     _add(s, "long", 600)
-    assert _step(s) == {"long": 256}
-    assert _step(s) == {"long": 256}
-    assert _step(s) == {"long": 88}
+    # No top-up from the unused budget: a step never computes more than T long-prompt tokens.
+    assert [_step(s) for _ in range(5)] == [{"long": 128}] * 4 + [{"long": 88}]
     assert not s.has_unscheduled_work() and s.num_running == 0
 
 
@@ -65,14 +73,23 @@ def test_short_prompts_get_the_rest_of_the_step_while_long_ones_share_t() -> Non
     _add(s, "long2", 1000, base=5000)
     _add(s, "short1", 90, base=9000)
     _add(s, "short2", 50, base=9500)
-    # long1 takes T=100, long2 is passed over, both shorts run whole (140), leftover 16 -> long1.
-    assert _step(s) == {"long1": 116, "short1": 90, "short2": 50}
-    # Only longs left: pass 1 gives long1 T, pass 2 the remaining 156 -> long1 first, then long2
-    # is admitted with what is left (nothing: long1 takes all).
-    assert _step(s) == {"long1": 256}
+    # long1 takes T=100, long2 is passed over (not admitted), both shorts run whole.
+    assert _step(s) == {"long1": 100, "short1": 90, "short2": 50}
+    assert s.get("long2").state is PrefillState.WAITING  # type: ignore[union-attr]
     _add(s, "short3", 30, base=12000)
-    out = _step(s)
-    assert out["short3"] == 30 and out["long1"] == 226 and "long2" not in out
+    assert _step(s) == {"long1": 100, "short3": 30}
+
+
+def test_long_class_is_kept_to_the_last_chunk() -> None:
+    s = _sched(threshold=100)
+    _add(s, "long1", 140)
+    _add(s, "long2", 1000, base=5000)
+    assert _step(s) == {"long1": 100}
+    # long1 has 40 left (below T) but is still long: its last chunk comes out of the long share,
+    # and long2 gets the other 60 tokens of it.
+    _add(s, "short", 90, base=9000)
+    assert _step(s) == {"long1": 40, "long2": 60, "short": 90}
+    assert _step(s) == {"long2": 100}
 
 
 @pytest.mark.parametrize("num_longs", [1, 4])

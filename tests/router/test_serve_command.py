@@ -44,7 +44,7 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse(
         "serve", "--device", "cpu", "--mode", "unified", "--max-model-len", "1024",
         "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", "32",
-        "--no-enable-prefix-caching", "--max-num-seqs", "8",
+        "--no-enable-prefix-caching", "--max-num-seqs", "8", "--long-prefill-token-threshold", "96",
     )  # fmt: skip
     plan = serve.build_plan(args)
     s = plan.serve
@@ -53,6 +53,7 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan.model_name == "tiny" and plan.max_model_len == 1024
     assert s.engine.load.dtype == "bfloat16" and s.engine.cache.block_size == 32
     assert not s.engine.cache.enable_prefix_caching and s.engine.scheduler.max_num_seqs == 8
+    assert s.engine.scheduler.long_prefill_token_threshold == 96
     args = parse("serve", "--device", "cpu", "--api-key", "flag")
     assert serve.build_plan(args).serve.api_key == "flag"
 

@@ -1,0 +1,116 @@
+"""The prefill scheduler's stated bounds over random traffic (prefill_worker/scheduler.py).
+
+A simulation adds random prompts between steps and runs every step as if computed, checking:
+
+* no step computes more than ``B`` tokens, nor more than ``T`` tokens of long prompts;
+* a short prompt with ``r`` tokens to compute, arriving after step ``k - 1`` while short prompts
+  with ``A`` tokens to compute are ahead of it, has its last chunk in step
+  ``k - 1 + ceil((A + r) / (B - T))`` at the latest, however many long prompts are queued;
+* no starvation: the earliest-arrived long prompt gains ``min(T, remaining)`` tokens in every step
+  where no short prompt that arrived before it is still live (``T <= B / 2``), and every prompt
+  finishes.
+
+KV room and ``max_num_seqs`` are ample here (the bounds assume both), and prompts share no prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv_cache.manager import KVCacheManager
+from pdserve.sampling_params import SamplingParams
+from pdserve.types import SampledToken
+from prefill_worker.request import PrefillRequest
+from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass
+class _Tracked:
+    seq: PrefillSeq
+    order: int  # arrival order
+    is_long: bool  # > T tokens to compute (no prefix hits here, so fixed from the start)
+    deadline: int | None  # short prompts: the last step its last chunk may run in
+
+
+def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=1024,
+        max_model_len=4096,
+        long_prefill_token_threshold=threshold,
+    )
+    total = sum(map(sum, arrivals))
+    s = PrefillScheduler(cfg, KVCacheManager(total // 16 + 64, 16, enable_prefix_caching=False))
+    assert s.long_threshold == threshold
+    live: list[_Tracked] = []
+    step = 0
+    base = 0
+    while step < len(arrivals) or live:
+        for n in arrivals[step] if step < len(arrivals) else []:
+            req = PrefillRequest(f"r{base}", tuple(range(base, base + n)), SamplingParams())
+            base += n
+            seq = PrefillSeq(req)
+            ahead = sum(t.seq.num_remaining_prompt_tokens for t in live if not t.is_long)
+            is_long = n > threshold
+            steps = -(-(ahead + n) // (budget - threshold))
+            live.append(_Tracked(seq, base, is_long, None if is_long else step - 1 + steps))
+            s.add(seq)
+        earliest_long = next((t for t in live if t.is_long), None)
+        starved_check = earliest_long is not None and not any(
+            not t.is_long and t.order < earliest_long.order for t in live
+        )
+        want_long = (
+            min(threshold, earliest_long.seq.num_remaining_prompt_tokens)
+            if earliest_long is not None
+            else 0
+        )
+
+        out = s.schedule()
+        chunks = {
+            seq.request_id: len(x.token_ids) for seq, x in zip(out.seqs, out.scheduled, strict=True)
+        }
+        assert out.num_scheduled_tokens <= budget
+        longs = {t.seq.request_id for t in live if t.is_long}
+        assert sum(n for rid, n in chunks.items() if rid in longs) <= threshold, (step, chunks)
+        if starved_check:
+            assert earliest_long is not None
+            assert chunks.get(earliest_long.seq.request_id) == want_long, (step, chunks)
+
+        sampled = [SampledToken(1) if x.sample else None for x in out.scheduled]
+        for done, _ in s.update_from_output(out, sampled):
+            s.finish(done.request_id)
+            t = next(t for t in live if t.seq is done)
+            if t.deadline is not None:
+                assert step <= t.deadline, f"short prompt {done.request_id} late: {step}"
+            live.remove(t)
+        s.check_integrity()
+        step += 1
+        assert step < 10_000, "the scheduler stopped making progress"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    budget=st.sampled_from([64, 256]),
+    share=st.sampled_from([8, 4, 2]),
+    arrivals=st.lists(
+        st.lists(st.integers(min_value=1, max_value=700), max_size=4), min_size=1, max_size=12
+    ),
+)
+def test_step_caps_short_prompt_bound_and_long_prompt_progress(
+    budget: int, share: int, arrivals: list[list[int]]
+) -> None:
+    _simulate(budget, budget // share, arrivals)
+
+
+def test_a_flood_of_short_prompts_does_not_starve_a_long_one() -> None:
+    # Every step brings more short work than the budget holds; the long prompt (first in line)
+    # still gains T tokens per step and finishes in ceil(1000 / 32) steps.
+    arrivals = [[1000, *[30] * 10]] + [[30] * 10 for _ in range(40)]
+    _simulate(256, 32, arrivals)
