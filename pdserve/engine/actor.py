@@ -14,9 +14,10 @@ a small machine do not oversubscribe the cores. Ray starts worker processes at n
 ``worker_niceness`` default), below the router, the client and everything else on the machine;
 an actor is the serving hot path, so it asks for the normal priority back (best effort: lowering
 niceness needs CAP_SYS_NICE or an RLIMIT_NICE that allows it). Threads are not pinned to cores:
-measured on a 2-core machine with two actors, pinning each to its own core did not make decode
-steps faster and made their tail slower whenever anything else ran (a pinned actor cannot move to
-the idle core). Subclasses say only how to build and serve their engine.
+measured on a shared 2-core machine (a prefill process and a decode process, 1 torch thread
+each, 4 pinned/unpinned pairs), pinning each to its own core left decode step times within the
+noise and made their p99 twice as slow in some runs, since a pinned actor cannot move off a core
+another process is using. Subclasses say only how to build and serve their engine.
 """
 
 from __future__ import annotations
