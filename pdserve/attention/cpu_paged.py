@@ -32,6 +32,19 @@ from pdserve.config import ConfigError
 # than MIN_SPLIT_TOKENS (below that the merge costs more than the balance gains)
 ITEMS_PER_THREAD = 4
 MIN_SPLIT_TOKENS = 256
+# Below this many KV rows read per call (context tokens x KV heads, all decodes) the kernel runs on
+# the calling thread alone: it then takes well under a millisecond, while waking a second OpenMP
+# thread on a busy 2-core machine was measured at ~11 ms per call (the woken thread waits for a
+# core: 0.47 ms on one thread vs 11.7 ms on two, batch 16 x context 270, load average 4).
+MIN_PARALLEL_KV_ROWS = 1 << 18
+
+
+def kernel_threads(num_decodes: int, kv_heads: int, max_seq_len: int) -> int:
+    """Threads for one decode-kernel call: ``torch.get_num_threads()`` when the call reads at
+    least MIN_PARALLEL_KV_ROWS KV rows, else 1."""
+    if num_decodes * kv_heads * max_seq_len < MIN_PARALLEL_KV_ROWS:
+        return 1
+    return torch.get_num_threads()
 
 
 def num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_threads: int) -> int:
@@ -106,7 +119,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         out = torch.empty_like(q)  # each row is written by the kernel or by one prefill span
         d = meta.decode
         if d.num_decodes:
-            threads = torch.get_num_threads()
+            threads = kernel_threads(d.num_decodes, k_cache.shape[2], d.max_seq_len)
             splits = num_splits(d.num_decodes, k_cache.shape[2], d.max_seq_len, threads)
             cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d, out, scale, splits, threads)
         if meta.prefills:
