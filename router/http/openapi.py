@@ -60,6 +60,20 @@ _EXTRA: dict[str, set[int]] = {
 _STREAMED = ("/v1/chat/completions", "/v1/completions")
 
 
+# One server-sent event as OpenAPI before 3.2 reads a text/event-stream ``schema`` (each event,
+# not the whole stream): its fields per the WHATWG HTML spec, section 9.2 "Server-sent events";
+# ``data`` is a JSON chunk or the final ``[DONE]``.
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def _error_codes(path: str, method: str, documented: dict[str, Any]) -> set[int]:
     codes = {431} | _EXTRA.get(path, set())
     if path.startswith(("/v1/", "/admin/")):
@@ -87,7 +101,7 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
                 }
             responses.pop("422", None)
             if path in _STREAMED:
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
     if "/health" in schema.get("paths", {}):
         health = schema["paths"]["/health"]["get"]["responses"]
         health["503"] = {**health["200"], "description": "No decode worker is ready"}
