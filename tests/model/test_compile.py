@@ -4,9 +4,11 @@ Llama and Qwen2 models, fp32 and bf16, chunked prefill mixed with decodes, every
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import TINY
 
 from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
@@ -21,19 +23,7 @@ from pdserve.sampling_params import SamplingParams
 # 30-70 s each on 2 busy cores with a cold cache, seconds with inductor's on-disk cache warm
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-TINY = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    eos_token_ids=(2,),
-)
-QWEN = ModelConfig(**{**TINY.__dict__, "architecture": "Qwen2ForCausalLM"})
+QWEN = replace(TINY, architecture="Qwen2ForCausalLM", tie_word_embeddings=False)
 
 
 def _engine(model: ModelConfig, dtype: str, compiled: bool) -> OfflineEngine:
@@ -48,7 +38,7 @@ def _engine(model: ModelConfig, dtype: str, compiled: bool) -> OfflineEngine:
 
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (21, 1, 9, 40, 5)]
+    return [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (21, 1, 9, 40, 5)]
 
 
 @pytest.mark.parametrize(("model", "dtype"), [(TINY, "float32"), (QWEN, "bfloat16")])
@@ -78,7 +68,7 @@ def test_compiled_logits_close_to_eager() -> None:
         )
         for c in (False, True)
     }
-    tokens = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     out = {}
     for c, r in runners.items():

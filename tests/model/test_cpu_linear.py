@@ -7,26 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import PagedForward
+from tiny_models import TINY, PagedForward
 
-from pdserve.config import LoadConfig, ModelConfig
+from pdserve.config import LoadConfig
 from pdserve.model.cpu_linear import PackedLinear, can_pack, pack_linears
 from pdserve.model.loader import load_model
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-)
 needs_onednn = pytest.mark.skipif(
     not can_pack(torch.zeros(4, 4)), reason="torch built without MKL-DNN"
 )

@@ -36,6 +36,12 @@ def test_defaults_build_a_disaggregated_plan(monkeypatch: pytest.MonkeyPatch) ->
     assert plan.model_name == "smollm2" and plan.max_model_len == 8192
     assert s.engine.scheduler.max_model_len == 8192 and s.engine.cache.enable_prefix_caching
     assert s.api_key is None and s.ray_address is None
+    assert s.engine.load.torch_compile  # workers compile the model unless --enforce-eager
+
+
+def test_enforce_eager_turns_compilation_off() -> None:
+    plan = serve.build_plan(parse("serve", "--device", "cpu", "--enforce-eager"))
+    assert not plan.serve.engine.load.torch_compile
 
 
 def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
