@@ -1,12 +1,14 @@
 """torch.compile of a model's decoder for CPU serving (inductor): the small ops between the
 linears fused into a few C++ loops.
 
-A decode step of a small model runs some fifty small elementwise kernels per layer around its
-matmuls: RMSNorm's cast/square/mean/rsqrt/scale/cast, RoPE's swap/multiply/add on q and k,
-SiLU-and-mul, the residual adds. Each costs a dispatcher round trip and a pass over memory, which
-on CPU adds up to a large share of a step at small batch sizes. :func:`compile_model` runs the
-model's :meth:`~pdserve.model.registry.CausalLM.decoder` through ``torch.compile`` (inductor),
-which fuses each run of them into one generated loop, as vLLM's CPU backend does.
+Eagerly, a layer runs some thirty small elementwise kernels around its matmuls: RMSNorm's
+cast/square/mean/rsqrt/scale/cast, RoPE's swap/multiply/add on q and k, SiLU-and-mul, the residual
+adds. Each costs a dispatcher round trip and a pass over memory, which on CPU adds up to a large
+share of a step at small batch sizes. :func:`compile_model` runs the model's
+:meth:`~pdserve.model.registry.CausalLM.decoder` through ``torch.compile`` (inductor), which fuses
+them into four generated loops per layer, as vLLM's CPU backend does. Measured on an AMX Xeon
+(SmolLM2-135M, one thread, compiled against eager in one process): decode steps 8-16% shorter at
+batch 1 and 16 in bf16 and fp32, prefill 5-16% faster.
 
 What stays outside the compiled code:
 
@@ -22,9 +24,11 @@ slow (tens of seconds to minutes on a small CPU, C++ kernels built by the system
 on-disk caches (FX graph and kernel caches under ``TORCHINDUCTOR_CACHE_DIR``, default
 ``/tmp/torchinductor_$USER``) and compile in a fraction of the time.
 
-bfloat16: by default inductor keeps a fused chain of bf16 operations in float32 and rounds once;
-``emulate_precision_casts`` makes it round where eager rounds instead, so compiled and eager
-(and transformers) pick the same greedy tokens.
+Numerics: float32 results equal eager's up to summation order (~1e-6). For bfloat16, inductor by
+default keeps a fused chain of bf16 operations in float32 and rounds once; with
+``emulate_precision_casts`` it rounds where eager rounds, which keeps compiled bf16 logits closer
+to eager's than eager's are to transformers' (bf16 greedy tokens can still differ where two
+logits nearly tie, as they do between any two bf16 implementations).
 """
 
 from __future__ import annotations
