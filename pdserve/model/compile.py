@@ -12,8 +12,9 @@ batch 1 and 16 in bf16 and fp32, prefill 5-16% faster.
 
 What stays outside the compiled code:
 
-* attention: :func:`pdserve.model.paged_attention.paged_attention` becomes an opaque custom op
-  call, so the backend (and its per-step metadata) is called eagerly, as it is uncompiled;
+* attention: :func:`pdserve.model.paged_attention.paged_attention` becomes an opaque op call
+  (:mod:`pdserve.model.ops`), so the backend (and its per-step metadata) runs eagerly, as it
+  does uncompiled;
 * the packed oneDNN linears (:mod:`pdserve.model.cpu_linear`) stay oneDNN calls (an opaque op);
 * the RoPE table lookup, the logits and sampling (once per step, not per layer).
 

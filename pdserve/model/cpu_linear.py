@@ -22,6 +22,7 @@ import functools
 import torch
 from torch import nn
 
+from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
 
 # Rows per call oneDNN tunes the packed layout for; any row count works with any layout, and on
@@ -62,17 +63,25 @@ class PackedLinear(nn.Module):
 # Inductor lowers mkldnn._linear_pointwise only for weights it packed itself (frozen graph
 # constants); a compiled decoder (pdserve/model/compile.py) reaches the same oneDNN call through
 # this opaque op instead, with the weight as a graph input, so one graph serves every layer.
-@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
-def _packed_linear_op(
+def _packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
+
+
+_packed_linear_op = opaque_op(
+    "packed_linear",
+    "(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor",
+    _packed_linear,
+    _packed_linear_fake,
+)
 
 
 @functools.cache

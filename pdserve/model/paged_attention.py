@@ -8,7 +8,7 @@ v, its layer index and its softmax scale.
 Why not pass them down as arguments: a compiled forward (:mod:`pdserve.model.compile`) must not
 trace into the backend. The metadata changes structure every step (how many prefill spans, which
 rows decode), and the backend may be a C kernel or a Triton launch. Under ``torch.compile``
-:func:`paged_attention` therefore goes through the custom op ``pdserve::paged_attention``, which
+:func:`paged_attention` therefore goes through the opaque op ``pdserve::paged_attention`` (:mod:`pdserve.model.ops`), which
 inductor calls as an opaque function (the same split vLLM's compiled models make around
 attention); eagerly it calls the backend directly (no dispatcher round trip).
 
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.model.ops import opaque_op
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,29 @@ def _attend(
     return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, scale)
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
-def _paged_attention_op(
+def _attend_fresh(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
 ) -> torch.Tensor:
-    # contiguous, as the fake below promises the compiled graph
-    return _attend(q, k, v, layer, scale).contiguous()
+    out = _attend(q, k, v, layer, scale).contiguous()  # as the fake below promises the graph
+    # the op promises a tensor that shares no memory with its inputs (pdserve.model.ops)
+    ptr = out.untyped_storage().data_ptr()
+    if any(ptr == t.untyped_storage().data_ptr() for t in (q, k, v)):
+        out = out.clone()
+    return out
 
 
-@_paged_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _attend_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+_paged_attention_op = opaque_op(
+    "paged_attention",
+    "(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+    _attend_fresh,
+    _attend_fake,
+)
 
 
 def paged_attention(
