@@ -2,7 +2,8 @@
 
 For each dtype and batch size B, in one run on one machine:
 
-* **engine**: B requests (random ``--prompt-len``-token prompts, greedy, ``ignore_eos``) are
+* **engine**: B requests (random ``--prompt-len``-token prompts, greedy unless ``--temperature``,
+  ``ignore_eos``; ``--compile`` compiles the decoder as ``pdserve serve`` does) are
   prefilled locally (unified mode), then ``--decode-steps`` decode steps are timed while all B
   sequences decode; step time is the median wall time of ``DecodeEngine.step()`` (scheduling,
   forward, sampling and event delivery included), tokens/s = B / step time.
@@ -73,7 +74,11 @@ class Row:
 
 # ------------------------------------------------------------------------------ measurements
 def engine_step_ms(
-    runner: ModelRunner, prompts: list[list[int]], steps: int, config: EngineConfig
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    steps: int,
+    config: EngineConfig,
+    temperature: float = 0.0,
 ) -> float:
     """Median wall ms of DecodeEngine.step() while all len(prompts) sequences decode."""
     engine = DecodeEngine(config, runner=runner)
@@ -89,7 +94,7 @@ def engine_step_ms(
 
         return put
 
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(
             DecodeRequest(f"b{i}", tuple(p), sp, prefill_locally=True), sink(f"b{i}")
@@ -184,6 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per point")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="engine sampling temperature (0 = greedy; 1 = what an OpenAI client gets by default)",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the engine's decoder, as `pdserve serve` does (no --enforce-eager)",
+    )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -199,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.prompt_len + args.decode_steps + 4
         blocks = max(batches) * (-(-max_len // 16)) + 8
         config = EngineConfig(
-            load=LoadConfig(model=args.model, dtype=dtype),
+            load=LoadConfig(model=args.model, dtype=dtype, torch_compile=args.compile),
             cache=CacheConfig(num_blocks=blocks, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
                 max_num_seqs=max(batches),
@@ -214,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
             steps = args.decode_steps
-            e_ms = best_of(args.repeats, engine_step_ms, runner, prompts, steps, config)
+            e_ms = best_of(
+                args.repeats, engine_step_ms, runner, prompts, steps, config, args.temperature
+            )
             h_ms = None if hf is None else best_of(args.repeats, hf_step_ms, hf, prompts, steps)
             ctx = args.prompt_len + 1 + args.decode_steps / 2
             f_ms, bound = decode_step_floor_ms(cost, b, ctx, bw, rate)
