@@ -8,9 +8,9 @@ v, its layer index and its softmax scale.
 Why not pass them down as arguments: a compiled forward (:mod:`pdserve.model.compile`) must not
 trace into the backend. The metadata changes structure every step (how many prefill spans, which
 rows decode), and the backend may be a C kernel or a Triton launch. Under ``torch.compile``
-:func:`paged_attention` therefore goes through the opaque op ``pdserve::paged_attention`` (:mod:`pdserve.model.ops`), which
-inductor calls as an opaque function (the same split vLLM's compiled models make around
-attention); eagerly it calls the backend directly (no dispatcher round trip).
+:func:`paged_attention` therefore goes through the opaque op ``pdserve::paged_attention``
+(:mod:`pdserve.model.ops`), which inductor calls as a black box (the same split vLLM's compiled
+models make around attention); eagerly it calls the backend directly (no dispatcher round trip).
 
 NOTE: the op writes the layer's new K/V into the pool in place, a side effect its schema does not
 declare: declaring the caches as mutated arguments would make the compiled graph functionalize
