@@ -261,6 +261,9 @@ class CompletionRequest(_Common):
     """POST /v1/completions body. ``logprobs`` is the number of top alternatives (0..20)."""
 
     prompt: Prompt
+    # 16 when absent, the OpenAI completions API's documented default (vLLM's too); an explicit
+    # null means the rest of the context, as chat's absent max_tokens does
+    max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

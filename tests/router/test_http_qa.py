@@ -93,9 +93,14 @@ async def test_temperature_and_min_tokens_ranges(tokenizer: Tokenizer) -> None:
             "/v1/completions", json={"prompt": "hi", "min_tokens": 5, "max_tokens": 4}
         )
         assert "max_tokens (4)" in assert_openai_error(r, 400, "min_tokens")["message"]
-        # max_tokens unset = the rest of the context (512 here): min_tokens beyond it is a 400 too
-        r = await e.client.post("/v1/completions", json={"prompt": "hi", "min_tokens": 600})
+        # max_tokens null = the rest of the context (512 here): min_tokens beyond it is a 400 too
+        r = await e.client.post(
+            "/v1/completions", json={"prompt": "hi", "min_tokens": 600, "max_tokens": None}
+        )
         assert_openai_error(r, 400, "min_tokens")
+        # absent, completions' max_tokens is 16 (OpenAI's default), so min_tokens 20 exceeds it
+        r = await e.client.post("/v1/completions", json={"prompt": "hi", "min_tokens": 20})
+        assert "max_tokens (16)" in assert_openai_error(r, 400, "min_tokens")["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
