@@ -28,10 +28,11 @@ that differ in the last bf16 bit (a different batch shape can make the matmul ac
 order) change the sampled token only when the two best ``p_i / q_i`` nearly tie (0.6% of tokens in
 a simulation with 10% of a 49k-token row moved by one bf16 ulp), where inverse-CDF sampling, whose
 every boundary moves with the sum of all earlier tokens' errors, changed 26%; that is why it is kept
-although its vocab-sized noise is most of the sampler's time on a CPU. The noise of a seeded request comes from
-its own ``torch.Generator`` seeded by a hash of (seed, position = len(output_token_ids)) and is
-drawn on the CPU, so its tokens depend neither on batch companions nor on which worker (or device)
-ran the step; unseeded rows share one sampler-wide generator on the logits' device.
+although its vocab-sized noise is most of the sampler's time on a CPU. The noise of a seeded
+request comes from its own ``torch.Generator`` seeded by a hash of (seed, position =
+len(output_token_ids)) and is drawn on the CPU, so the noise depends neither on batch companions
+nor on which worker (or device) ran the step; unseeded rows share one sampler-wide generator on
+the logits' device.
 
 NOTE: after sampling, ``__call__`` advances each row's grammar matcher over the sampled token, so
 every caller (prefill token 1, decode steps, offline) keeps grammar state the same way.
