@@ -162,6 +162,29 @@ def test_samples_follow_the_distribution() -> None:
         ), (params, freq)
 
 
+def test_two_level_race_is_exact_across_blocks() -> None:
+    """The race picks a block of RACE_BLOCK tokens, then a token inside it: the tokens' frequencies
+    must still be their probabilities, with mass spread over several blocks, a partial last block
+    and whole blocks truncated away."""
+    vocab = 2 * sampling.RACE_BLOCK + 37  # 3 blocks, the last one partial
+    ids = [5, sampling.RACE_BLOCK + 9, 2 * sampling.RACE_BLOCK + 36, 2 * sampling.RACE_BLOCK]
+    logits = torch.full((vocab,), -30.0)
+    logits[ids] = L4
+    s = Sampler(vocab, seed=1)
+    n = 20000
+    for params, expected in [
+        ({}, P4),
+        ({"top_k": 2}, [0.625, 0.375, 0.0, 0.0]),  # the whole third block truncated away
+    ]:
+        out = s(logits.repeat(n, 1), [seq(**params)] * n)
+        counts = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=vocab)
+        # the other tokens hold ~5e-11 of the mass together
+        assert counts.sum() - counts[ids].sum() == 0, params
+        for t, e in zip(ids, expected, strict=True):
+            f = counts[t].item() / n
+            assert abs(f - e) <= 4.5 * math.sqrt(e * (1 - e) / n) + 1e-9, (params, t, f, e)
+
+
 # -- penalties and min_tokens ---------------------------------------------------------------------
 
 
