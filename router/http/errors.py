@@ -7,6 +7,7 @@ field), 401, 404, 429 with ``Retry-After``, 500 (an unexpected exception, logged
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,17 +46,59 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             "'Content-Type: application/json')",
             None,
         )
-    parts: list[str] = []
-    for p in loc:
-        if isinstance(p, str) and ("[" in p or p in _UNION_TAGS):
-            break  # a pydantic union-member tag, not a field
-        parts.append(str(p))
+    parts = _field_path(loc)
     param = ".".join(parts) or None
     if e.get("type") == "missing":
         return (f"'{param}' is required" if param else "the request body is required"), param
     got = e.get("input")
     shown = "" if isinstance(got, (dict, list, bytes)) else f" (got {_short_repr(got)})"
+    # a union field (e.g. stop: str | list[str]): pydantic reports one error per member
+    members = [
+        x for x in errors if _field_path(_body_loc(x)) == parts and len(_body_loc(x)) > len(parts)
+    ]
+    nested = [x for x in members if len(_body_loc(x)) > len(parts) + 1]
+    if nested:  # the value had a member's shape; an element is wrong: name the deepest such one
+        x = max(nested, key=lambda y: len(_body_loc(y)))
+        where = ".".join([*parts, *(str(q) for q in _body_loc(x)[len(parts) + 1 :])])
+        val = x.get("input")
+        shown = "" if isinstance(val, (dict, list, bytes)) else f" (got {_short_repr(val)})"
+        return f"'{where}': {x.get('msg', 'invalid value')}{shown}", param
+    tags = [str(_body_loc(x)[len(parts)]) for x in members]
+    if len(tags) > 1:
+        kinds = list(dict.fromkeys(_json_kind(t) for t in tags))
+        said = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
+        return f"'{param}' must be {said}{shown}", param
     return f"'{param}': {e.get('msg', 'invalid value')}{shown}", param
+
+
+def _body_loc(err: Any) -> list[Any]:
+    return [p for p in err.get("loc", ()) if p != "body"]
+
+
+def _field_path(loc: list[Any]) -> list[str]:
+    """The field names of an error location, up to a pydantic union-member tag."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p in _UNION_TAGS):
+            break  # a pydantic union-member tag, not a field
+        parts.append(str(p))
+    return parts
+
+
+_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+          "none": "null", "dict": "an object"}  # fmt: skip
+
+
+def _json_kind(tag: str) -> str:
+    """A union-member tag (``str``, ``list[str]``, ``list[list[int]]``) in JSON words."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _json_kind(tag[5:-1]).split(" ", 1)[-1]  # without its article
+        if inner.startswith("array of "):  # plural of "array of X" is "arrays of X"
+            return f"an array of arrays of {inner.removeprefix('array of ')}"
+        return f"an array of {inner}s"
+    if tag.startswith("dict["):
+        return "an object"
+    return _KINDS.get(tag, tag)
 
 
 def _short_repr(value: object, limit: int = 64) -> str:

@@ -19,6 +19,18 @@ from typing import Any
 from pdserve.types import SampledToken
 
 
+def legacy_top_logprobs(
+    t: SampledToken, top: int, token_text: Callable[[int], str]
+) -> dict[str, float]:
+    """One position's ``top_logprobs`` entry of a legacy completion: the ``top`` best tokens and
+    the chosen token, text -> logprob (OpenAI: "the API will always return the logprob of the
+    sampled token, so there may be up to logprobs+1 elements"; vLLM does the same), so
+    ``logprobs: 0`` gives the chosen token alone."""
+    out = {token_text(i): lp for i, lp in t.top_logprobs[:top]}
+    out.setdefault(token_text(t.token_id), t.logprob)
+    return out
+
+
 def echo_logprobs(
     prompt_ids: Sequence[int],
     prompt_lps: Sequence[SampledToken],
@@ -36,7 +48,7 @@ def echo_logprobs(
     tops: list[dict[str, float] | None] = [None]
     for t in prompt_lps:
         token_lps.append(t.logprob)
-        tops.append({token_text(i): lp for i, lp in t.top_logprobs[:top]})
+        tops.append(legacy_top_logprobs(t, top, token_text))
     return {
         "tokens": texts,
         "token_logprobs": token_lps,

@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.tokenizer import Tokenizer
 from pdserve.types import SampledToken
 from router.chat_tools import ToolSetup, ToolStream
+from router.http.prompt_logprobs import legacy_top_logprobs
 from router.serving import ChoiceDelta, RequestStream
 
 
@@ -78,9 +79,7 @@ class Logprobs:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                {self.token_text(i): lp for i, lp in t.top_logprobs[:top]} for t in tokens
-            ],
+            "top_logprobs": [legacy_top_logprobs(t, top, self.token_text) for t in tokens],
             "text_offset": offsets,
         }
 

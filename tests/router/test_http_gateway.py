@@ -145,6 +145,16 @@ async def test_completions_echo_logprobs_and_multiple_prompts(tokenizer: Tokeniz
         assert len(lp["tokens"]) == 3 and lp["text_offset"][0] == 0
         assert all(len(t) == 1 for t in lp["top_logprobs"])
 
+        # logprobs 0: no alternatives, but the chosen token's own entry (OpenAI, vLLM)
+        r = await e.client.post(
+            "/v1/completions", json={"prompt": [[1, 2, 3]], "max_tokens": 3, "logprobs": 0}
+        )
+        lp = r.json()["choices"][0]["logprobs"]
+        assert [list(t) for t in lp["top_logprobs"]] == [[tok] for tok in lp["tokens"]]
+        assert [t[tok] for t, tok in zip(lp["top_logprobs"], lp["tokens"], strict=True)] == (
+            lp["token_logprobs"]
+        )
+
         r = await e.client.post(
             "/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}
         )

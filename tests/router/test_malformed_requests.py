@@ -128,6 +128,13 @@ HTTP_ROWS = [
     Http("cmpl too many stop ids", CMPL, cmpl(stop_token_ids=[5] * 1025), 400, "stop_token_ids",
          "1024"),
     Http("cmpl stop id past vocab", CMPL, cmpl(stop_token_ids=[VOCAB]), 400, "stop_token_ids"),
+    Http("cmpl stop a number", CMPL, cmpl(stop=123), 400, "stop",
+         "'stop' must be a string or an array of strings (got 123)"),
+    Http("cmpl stop element a number", CMPL, cmpl(stop=["a", 5]), 400, "stop", "'stop.1'"),
+    Http("cmpl prompt a float", CMPL, cmpl(prompt=5.5), 400, "prompt",
+         "an array of arrays of integers"),
+    Http("cmpl prompt token a string", CMPL, cmpl(prompt=[[1, "a"]]), 400, "prompt",
+         "'prompt.0.1'"),
     Http("cmpl streaming bad n", CMPL, cmpl(stream=True, n=0), 400, "n"),
 ]  # fmt: skip
 
