@@ -8,15 +8,17 @@ Per step, for logits ``[num_seqs, vocab]``, each row goes through, in order:
    form transformers uses: a positive logit is divided by the penalty, a negative one multiplied);
 3. frequency and presence penalties over generated tokens (OpenAI API reference:
    ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
-4. ``min_tokens``: EOS and ``stop_token_ids`` masked to -inf until that many tokens were
-   generated (``ignore_eos`` masks nothing; the engine stops on EOS unless it is set);
-5. ``logit_bias`` added (OpenAI), tokens outside ``allowed_token_ids`` masked (vLLM), and the
-   structured-output grammar's token bitmask applied (tokens the grammar forbids masked). The
-   grammar wins over ``min_tokens``: if the two leave nothing, the grammar's tokens are kept;
+4. ``logit_bias`` added (OpenAI), tokens outside ``allowed_token_ids`` masked (vLLM);
+5. ``min_tokens``: EOS and ``stop_token_ids`` masked to -inf until that many tokens were
+   generated (``ignore_eos`` masks nothing; the engine stops on EOS unless it is set), except in
+   a row where that would leave no token (``allowed_token_ids`` holding only such ids): there
+   ``allowed_token_ids`` wins and the row is left as it is;
+6. the structured-output grammar's token bitmask applied (tokens the grammar forbids masked).
+   The grammar wins over ``min_tokens``: if the two leave nothing, the grammar's tokens are kept;
    a grammar state that errored allows only EOS, so the sequence ends instead of running on
    (:mod:`pdserve.sampling_masks`);
-6. greedy rows (temperature 0, or top_k 1): argmax, done;
-7. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
+7. greedy rows (temperature 0, or top_k 1): argmax, done;
+8. the rest: divide by temperature, then top-k (Fan et al. 2018), top-p / nucleus (Holtzman et al.
    2019: the smallest set of most likely tokens whose probability reaches top_p), min-p (Nguyen
    et al. 2024: drop tokens whose probability is below min_p times the top token's), in the order
    transformers applies them; then sample from the softmax.
@@ -254,8 +256,8 @@ class Sampler:
             return logits
         x = logits.clone()  # the caller's logits stay raw (they give the reported logprobs)
         self._apply_penalties(x, seqs)
-        self._apply_min_tokens(x, seqs)
         apply_bias_and_allowed(x, seqs, self.vocab_size, self.check)
+        self._apply_min_tokens(x, seqs)
         apply_grammar(x, logits, seqs, self.vocab_size, self.eos_token_ids)
         return x
 
@@ -312,7 +314,8 @@ class Sampler:
             x[rows, t] = x[rows, t] - pres[r]  # presence_penalty once per distinct token
 
     def _apply_min_tokens(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
-        """In place: mask EOS and stop_token_ids of rows still short of ``min_tokens``."""
+        """In place: mask EOS and stop_token_ids of rows still short of ``min_tokens``, unless
+        that would mask every token the row has left (after ``allowed_token_ids``)."""
         for i, s in enumerate(seqs):
             if len(s.output_token_ids) < s.sampling.min_tokens:
                 ids = sorted(set(self.eos_token_ids) | set(s.sampling.stop_token_ids))
@@ -320,8 +323,14 @@ class Sampler:
                     raise ValueError(
                         f"request {s.request_id}: stop_token_ids outside [0, {self.vocab_size})"
                     )
-                if ids:
-                    x[i, ids] = float("-inf")
+                if not ids:
+                    continue
+                if s.sampling.allowed_token_ids is not None:
+                    rest = x[i].clone()
+                    rest[ids] = float("-inf")
+                    if bool(torch.isneginf(rest).all()):
+                        continue  # only EOS / stop ids are allowed: allowed_token_ids wins
+                x[i, ids] = float("-inf")
 
     # -- random sampling ---------------------------------------------------------------------
 

@@ -241,6 +241,24 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert tok != 5
 
 
+def test_allowed_token_ids_win_over_min_tokens() -> None:
+    """min_tokens would mask the only allowed tokens: the row keeps them (a row of -inf would
+    make argmax and the race return token 0, outside the allowed set)."""
+    s = Sampler(6, eos_token_ids=[5])
+    logits = torch.zeros(1, 6)
+    for params in (
+        {"allowed_token_ids": (5,), "min_tokens": 3},
+        {"allowed_token_ids": (4, 5), "stop_token_ids": (4,), "min_tokens": 2},
+    ):
+        allowed = params["allowed_token_ids"]
+        for temp in (0.0, 1.0):
+            out = s(logits, [seq(output=[1], temperature=temp, **params)])
+            assert out[0].token_id in allowed, (params, temp)  # type: ignore[operator]
+    # an allowed token besides EOS is still what min_tokens leaves
+    row = s.processed_logits(logits, [seq(allowed_token_ids=(2, 5), min_tokens=3)])[0]
+    assert row.isfinite().nonzero().flatten().tolist() == [2]
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 
 

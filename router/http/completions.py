@@ -21,7 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from router.errors import RouterError
 from router.http.handlers import check_model, sampling_params
-from router.http.prompt_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
+from router.http.prompt_logprobs import (
+    echo_logprobs,
+    end_offset,
+    join_logprobs,
+    vllm_prompt_logprobs,
+)
 from router.http.responses import Logprobs, completion_chunk_choice, sse, usage
 from router.http.streams import CLIENT_CLOSED, collect_or_disconnect, event_stream, merge
 from router.openai_protocol import CompletionRequest
@@ -85,7 +90,7 @@ async def text_completion(
 
     if body.stream:
         extra = {"usage": None} if body.include_usage else {}
-        sent = [0] * len(echo)  # characters streamed per choice (for text_offset)
+        lp_at = [0] * len(echo)  # text_offset of each choice's next token
         echoed = [not e for e in echo]
 
         def chunk(index: int, text: str, d: ChoiceDelta | None, k: int = 0) -> str:
@@ -93,10 +98,11 @@ async def text_completion(
                 text, d = "", dataclasses.replace(d, text="", tokens=())
             lp = None
             if d is not None and d.tokens and sampling.logprobs:
-                lp = logprobs.completion(d.tokens, top, sent[index])
+                lp = logprobs.completion(d.tokens, top, lp_at[index])
+                lp_at[index] = end_offset(lp, lp_at[index])
             elif d is None and late_echo:
                 lp = prompt_part(k)
-            sent[index] += len(text)
+                lp_at[index] = end_offset(lp, 0)
             choice = completion_chunk_choice(index, text, d, lp)
             return sse({**head, "choices": [choice], **extra})
 
@@ -128,9 +134,10 @@ async def text_completion(
             c.text, c.tokens = "", []
         lp = None
         if sampling.logprobs:
-            lp = logprobs.completion(c.tokens, top, len(echo[i]))
-            if body.echo:
-                lp = join_logprobs(prompt_part(k), lp)
+            head_lp = prompt_part(k) if body.echo else None
+            start = end_offset(head_lp, 0) if head_lp is not None else 0
+            tail = logprobs.completion(c.tokens, top, start)
+            lp = tail if head_lp is None else join_logprobs(head_lp, tail)
         item = {
             "index": i,
             "text": echo[i] + c.text,

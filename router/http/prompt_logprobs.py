@@ -57,6 +57,18 @@ def echo_logprobs(
     }
 
 
+def end_offset(part: dict[str, list[Any]], start: int) -> int:
+    """The ``text_offset`` after a legacy ``logprobs`` part that began at ``start``.
+
+    Offsets are running sums of the tokens' text lengths (the echoed prompt's from 0, then the
+    completion's), so they only go up; they index ``text`` exactly where every token decodes to
+    whole characters (a special token skipped in the text, or one character split over byte
+    tokens, shifts them), as in vLLM."""
+    if not part["tokens"]:
+        return start
+    return int(part["text_offset"][-1]) + len(part["tokens"][-1])
+
+
 def join_logprobs(head: dict[str, list[Any]], tail: dict[str, list[Any]] | None) -> dict[str, Any]:
     """``head`` followed by ``tail`` (same keys), as one legacy ``logprobs`` object."""
     if tail is None:

@@ -87,6 +87,41 @@ def _echo(server: ServeProcess) -> dict[str, Any]:
 # -- prompt logprobs ----------------------------------------------------------------------------
 
 
+def _running_sums(tokens: list[str]) -> list[int]:
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_text_offsets_only_go_up(server: ServeProcess, tok: Tokenizer, stream: bool) -> None:
+    """A prompt holding a special token (skipped in the text) and a character split over byte
+    tokens: text_offset stays the running sum of the tokens' lengths (as vLLM), never going back
+    at the prompt / completion boundary."""
+    prompt = [1, *tok.encode("日本語 ok")]  # 1: <|im_start|>
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    if not stream:
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        tokens, offsets = lp["tokens"], lp["text_offset"]
+    else:
+        tokens, offsets = [], []
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        if c.get("logprobs"):
+                            tokens += c["logprobs"]["tokens"]
+                            offsets += c["logprobs"]["text_offset"]
+    assert len(tokens) == len(prompt) + 3
+    assert offsets == _running_sums(tokens)
+
+
 def test_echo_logprobs_equal_transformers(server: ServeProcess, tok: Tokenizer) -> None:
     ids = tok.encode(PROMPT)
     out = _echo(server)
