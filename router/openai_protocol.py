@@ -65,11 +65,16 @@ class ChatMessage(BaseModel):
             return self.content
         pieces = []
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise BadRequest(
                     f"messages[{index}].content[{j}] has type {part.type!r}; only 'text' parts are "
                     "supported by this model",
                     param=f"messages.{index}.content.{j}.type",
+                )
+            if part.text is None:
+                raise BadRequest(
+                    f"messages[{index}].content[{j}] is a 'text' part without 'text'",
+                    param=f"messages.{index}.content.{j}.text",
                 )
             pieces.append(part.text)
         return "".join(pieces)

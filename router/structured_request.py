@@ -115,7 +115,11 @@ def logit_bias_pairs(
                 f"'logit_bias' key {json.dumps(key)} is not a token id (an integer as a string)",
                 param="logit_bias",
             ) from None
-        if not 0 <= tid < vocab_size:
+        if tid < 0:
+            raise BadRequest(
+                f"'logit_bias' key '{key}' is negative; token ids are >= 0", param="logit_bias"
+            )
+        if tid >= vocab_size:
             raise BadRequest(
                 f"'logit_bias' key '{key}' is outside the vocabulary [0, {vocab_size})",
                 param="logit_bias",
