@@ -315,7 +315,7 @@ class Sampler:
 
     def _apply_min_tokens(self, x: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
         """In place: mask EOS and stop_token_ids of rows still short of ``min_tokens``, unless
-        that would mask every token the row has left (after ``allowed_token_ids``)."""
+        they are the only tokens the row has left (``allowed_token_ids`` holding only them)."""
         for i, s in enumerate(seqs):
             if len(s.output_token_ids) < s.sampling.min_tokens:
                 ids = sorted(set(self.eos_token_ids) | set(s.sampling.stop_token_ids))
@@ -325,11 +325,9 @@ class Sampler:
                     )
                 if not ids:
                     continue
-                if s.sampling.allowed_token_ids is not None:
-                    rest = x[i].clone()
-                    rest[ids] = float("-inf")
-                    if bool(torch.isneginf(rest).all()):
-                        continue  # only EOS / stop ids are allowed: allowed_token_ids wins
+                alive = ~torch.isneginf(x[i])
+                if int(alive.sum()) == int(alive[ids].sum()):
+                    continue  # masking them would leave nothing: the earlier masks win
                 x[i, ids] = float("-inf")
 
     # -- random sampling ---------------------------------------------------------------------
@@ -415,25 +413,27 @@ class Sampler:
         comes from a CPU generator seeded by (seed, position), the same on every device and in
         every batch; unseeded rows share the sampler's generator.
         """
-        u = torch.empty(len(seqs), cols, dtype=torch.float64, device=dev)
+        f64 = torch.float64
         unseeded = [i for i, s in enumerate(seqs) if s.sampling.seed is None]
+        u = torch.empty(0, dtype=f64, device=dev)
         if unseeded:
             gen = self._generators.get(dev)
             if gen is None:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed(self._seed)
                 self._generators[dev] = gen
-            rand = torch.rand(len(unseeded), cols, generator=gen, dtype=u.dtype, device=dev)
-            if len(unseeded) == len(seqs):
-                u = rand
-            else:
-                u[unseeded] = rand
-        for i, s in enumerate(seqs):
-            seed = s.sampling.seed
-            if seed is not None:
-                gen = torch.Generator()  # CPU, so the draw is the same on every device
-                gen.manual_seed(position_seed(seed, len(s.output_token_ids)))
-                u[i] = torch.rand(cols, generator=gen, dtype=u.dtype).to(dev)
+            u = torch.rand(len(unseeded), cols, generator=gen, dtype=f64, device=dev)
+        if len(unseeded) < len(seqs):  # seeded rows: each its own generator
+            rows = u
+            u = torch.empty(len(seqs), cols, dtype=f64, device=dev)
+            if unseeded:
+                u[unseeded] = rows
+            for i, s in enumerate(seqs):
+                seed = s.sampling.seed
+                if seed is not None:
+                    gen = torch.Generator()  # CPU, so the draw is the same on every device
+                    gen.manual_seed(position_seed(seed, len(s.output_token_ids)))
+                    u[i] = torch.rand(cols, generator=gen, dtype=f64).to(dev)
         q = u.neg_().log1p_().neg_()
         # q == 0 (u == 0, chance 2^-53) would give +inf noise, and -inf + inf = NaN for a
         # truncated token; clamped, a -inf logit stays -inf.
