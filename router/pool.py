@@ -6,6 +6,13 @@ background task polls every worker's GetStats each ``stats_interval_s``; a worke
 ``unhealthy_after`` polls (or RPCs, via :meth:`WorkerPool.report_failure`) in a row is skipped by
 placement until a poll succeeds again.
 
+A poll that times out is not a failure by itself: a worker (or a router whose own event loop is
+starved by a flood of requests) can be late under load, and marking a loaded worker unhealthy
+turns overload into 503s and removes capacity exactly when it is needed. A timeout counts only
+once the worker has gone ``unresponsive_after_s`` seconds without a successful poll; a refused
+connection or any other error counts at once. This is the liveness probe's usual split between
+a failed probe and a slow one (Kubernetes: ``timeoutSeconds`` x ``failureThreshold``).
+
 Between polls the router corrects stale stats with its own bookkeeping: requests it placed on a
 decode worker since the last report count as running and their blocks as used; prompt tokens it
 sent to a prefill worker count as queued until the Prefill call returns.
@@ -18,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -41,6 +48,7 @@ class WorkerState:
     stats: pb.PrefillStats | pb.DecodeStats | None = None
     stats_at: float = 0.0  # time.monotonic() of the last successful poll
     failures: int = 0  # consecutive failed polls / RPCs
+    added_at: float = field(default_factory=time.monotonic)  # when the pool learned of it
     inflight: int = 0  # requests the router has placed here and not finished
     inflight_tokens: int = 0  # prefill: prompt tokens sent, Prefill not yet returned
     new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
@@ -56,7 +64,8 @@ class WorkerState:
 
 
 class WorkerPool:
-    """Workers by id and role. ``stats_interval_s`` > 0 seconds; ``unhealthy_after`` >= 1.
+    """Workers by id and role. ``stats_interval_s`` > 0 seconds; ``unhealthy_after`` >= 1;
+    ``unresponsive_after_s`` (seconds) > 0: how long polls may time out before they count.
 
     ``internal_token``: what every worker call presents (pdserve/auth.py); None = none.
     """
@@ -66,13 +75,17 @@ class WorkerPool:
         stats_interval_s: float = 0.5,
         unhealthy_after: int = 2,
         internal_token: str | None = None,
+        unresponsive_after_s: float = 10.0,
     ) -> None:
         if stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be > 0, got {stats_interval_s}")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after}")
+        if unresponsive_after_s <= 0:
+            raise ValueError(f"unresponsive_after_s must be > 0, got {unresponsive_after_s}")
         self.stats_interval_s = stats_interval_s
         self.unhealthy_after = unhealthy_after
+        self.unresponsive_after_s = unresponsive_after_s
         self.internal_token = internal_token
         self._workers: dict[str, WorkerState] = {}
         self._changed = asyncio.Event()
@@ -176,16 +189,23 @@ class WorkerPool:
 
     # -- health ------------------------------------------------------------------------------
 
-    def report_failure(self, worker_id: str) -> None:
-        """An RPC to the worker failed in a way that suggests it is down."""
+    def report_failure(self, worker_id: str, *, slow: bool = False) -> bool:
+        """An RPC to the worker failed in a way that suggests it is down.
+
+        ``slow``: the RPC timed out rather than failed; it counts only once the worker has gone
+        ``unresponsive_after_s`` seconds without a successful poll. Returns whether it counted.
+        """
         w = self._workers.get(worker_id)
         if w is None:
-            return
+            return False
+        if slow and time.monotonic() - (w.stats_at or w.added_at) < self.unresponsive_after_s:
+            return False
         w.failures += 1
         if w.healthy and w.failures >= self.unhealthy_after:
             w.healthy = False
             log.warning("worker %s marked unhealthy", worker_id)
             self._notify()
+        return True
 
     async def poll_once(self) -> None:
         """Poll every worker's GetStats once (concurrently) and update health."""
@@ -201,7 +221,8 @@ class WorkerPool:
             if isinstance(r, BaseException):
                 if not isinstance(r, grpc.aio.AioRpcError):
                     log.error("GetStats on %s raised %r", w.worker_id, r)
-                self.report_failure(w.worker_id)
+                if not self.report_failure(w.worker_id, slow=_slow(r)):
+                    continue  # late, not down: see the module docstring
                 metrics.set_worker_load(w.worker_id, w.info.role, up=False)
                 continue
             _publish(w.worker_id, r)
@@ -242,6 +263,13 @@ class WorkerPool:
             await client.close()
         self._retired.clear()
         self._workers.clear()
+
+
+def _slow(err: BaseException) -> bool:
+    """Whether a failed GetStats timed out (the worker may be alive and busy)."""
+    if isinstance(err, TimeoutError):
+        return True
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:

@@ -70,7 +70,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
     ``preempt_budget``: the next N sequences that reach ``preempt_at`` output tokens on this
     worker are preempted. ``break_budget``: the next N that reach ``break_at`` tokens see the
     stream fail (UNAVAILABLE). ``reject_budget``: the next N Decode calls get RESOURCE_EXHAUSTED.
-    ``accept_delay_s``: delay before Accepted. Running out of blocks while decoding preempts.
+    ``accept_delay_s``: delay before Accepted; ``stats_delay_s``: before GetStats answers.
+    Running out of blocks while decoding preempts.
     """
 
     worker_id: str
@@ -85,6 +86,7 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
     break_at: int = 2
     reject_budget: int = 0
     accept_delay_s: float = 0.0
+    stats_delay_s: float = 0.0
     kv_endpoint: str = ""
     held: dict[str, _Held] = field(default_factory=dict)
     requests: list[pb.DecodeRequest] = field(default_factory=list)
@@ -205,6 +207,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         return pb.AbortResponse(found=held is not None)
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if self.stats_delay_s:
+            await asyncio.sleep(self.stats_delay_s)
         waiting = sum(1 for h in self.held.values() if not h.kv.done())
         return pb.DecodeStats(
             worker_id=self.worker_id,
