@@ -18,6 +18,12 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   its tokens, and on a CPU faster than linearly with a chunk's attention context). A waiting long
   request that finds the long share used up is passed over (it keeps its place), so shorter
   prompts behind it still run.
+* **Long chunks alternate with short-only steps while short prompts wait**: a step that follows
+  one which carried long tokens carries none itself when any short prompt can run. A short
+  prompt that arrives during a long chunk's step then runs in a step of short prompts alone,
+  whose time is its own work's, not a long chunk's on top (measured: a 64-token prompt batched
+  with 7 others took 0.2-0.3 s alone and 0.3-0.6 s beside a 256-token chunk of a 1500-token
+  prompt on one core). Long prompts still progress at least every other step.
 * Admission reserves KV blocks for the request's whole prompt at once (a prefill worker holds KV
   only until it is sent), after reusing cached prefix blocks. If the pool cannot hold the next
   request to admit, admission stops for the step: memory is strictly first-come-first-served,
@@ -26,7 +32,8 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 The bounds (given KV room and ``max_num_seqs``, and ``T < B``):
 
 * Short prompts: every step gives at most T tokens to long prompts, so the short prompts, served
-  in arrival order, get at least ``B - T`` tokens of every step while any is queued. A short
+  in arrival order, get at least ``B - T`` tokens of every step while any is queued, and all
+  ``B`` of every step that follows one with long tokens. A short
   prompt with ``r`` tokens to compute, arriving while short prompts with ``A`` tokens to compute
   are ahead of it, is fully scheduled within ``ceil((A + r) / (B - T))`` steps after the step in
   progress when it arrived, however many long prompts are queued. (A waiting request's class is
@@ -34,7 +41,8 @@ The bounds (given KV room and ``max_num_seqs``, and ``T < B``):
   counts in ``A``.)
 * Long prompts (no starvation): they are served in admission order at up to T tokens per step,
   so once every request admitted before it is done, a long prompt gains ``min(T, remaining)``
-  tokens every step, whatever short prompts keep arriving.
+  tokens in every step that follows a step without long tokens, and in every step in which no
+  short prompt can run: at least every other step, whatever short prompts keep arriving.
 
 With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no T cap;
 config ensures ``B >= max_model_len``).
@@ -97,6 +105,7 @@ class PrefillScheduler:
         self._running: list[PrefillSeq] = []  # admitted, prompt not fully computed; FCFS
         self._sending: dict[str, PrefillSeq] = {}
         self._by_id: dict[str, PrefillSeq] = {}
+        self._last_step_had_long = False  # the previous schedule() gave long prompts tokens
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -162,10 +171,31 @@ class PrefillScheduler:
 
         ``now``: ``time.monotonic()`` seconds used for ``first_scheduled`` (default: now).
         """
+        if self.config.enable_chunked_prefill and self._last_step_had_long:
+            # a short-only step between long chunks when any short prompt can run (docstring)
+            picks = self._pick(long_share=0) or self._pick(self.long_threshold)
+        else:
+            picks = self._pick(self.long_threshold)
+        self._last_step_had_long = any(seq.is_long for seq in picks)
+        t = time.monotonic() if now is None else now
+        out = PrefillOutput()
+        for seq in self._running:  # emit in arrival (admission) order
+            n = picks.get(seq, 0)
+            if n == 0:
+                continue
+            if seq.first_scheduled is None:
+                seq.first_scheduled = t
+            out.add(seq, seq.schedule(n, self.kv.block_table(seq.request_id)))
+        return out
+
+    def _pick(self, long_share: int) -> dict[PrefillSeq, int]:
+        """One walk in admission/arrival order: tokens per request for this step, long prompts
+        sharing at most ``long_share`` tokens. Admits the waiting requests it picks; picks none
+        (and admits none) only when nothing can run under ``long_share``."""
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens
-        long_left = self.long_threshold  # the long requests' share of this step, tokens
+        long_left = long_share
         picks: dict[PrefillSeq, int] = {}
         for seq in self._running:
             if budget == 0 or len(picks) >= cfg.max_num_seqs:
@@ -195,17 +225,7 @@ class PrefillScheduler:
                 long_left -= n
             picks[seq] = n
             budget -= n
-
-        t = time.monotonic() if now is None else now
-        out = PrefillOutput()
-        for seq in self._running:  # emit in arrival (admission) order
-            n = picks.get(seq, 0)
-            if n == 0:
-                continue
-            if seq.first_scheduled is None:
-                seq.first_scheduled = t
-            out.add(seq, seq.schedule(n, self.kv.block_table(seq.request_id)))
-        return out
+        return picks
 
     def _lookup(self, seq: PrefillSeq) -> tuple[list[int], int]:
         """Prefix-cache hit (block ids, cached tokens) for a waiting request; not yet counted.

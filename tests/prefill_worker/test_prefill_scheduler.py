@@ -77,7 +77,23 @@ def test_short_prompts_get_the_rest_of_the_step_while_long_ones_share_t() -> Non
     assert _step(s) == {"long1": 100, "short1": 90, "short2": 50}
     assert s.get("long2").state is PrefillState.WAITING  # type: ignore[union-attr]
     _add(s, "short3", 30, base=12000)
-    assert _step(s) == {"long1": 100, "short3": 30}
+    # the step after a long chunk is short-only while a short prompt can run, then long1 resumes
+    assert _step(s) == {"short3": 30}
+    assert _step(s) == {"long1": 100}
+    assert _step(s) == {"long1": 100}  # no short prompt left: long chunks back to back
+
+
+def test_long_chunks_alternate_with_short_steps_under_a_stream_of_short_prompts() -> None:
+    s = _sched(threshold=100)
+    _add(s, "long", 400)
+    steps = []
+    for i in range(8):
+        _add(s, f"short{i}", 20, base=1000 * (i + 1))
+        steps.append(_step(s))
+    # the long prompt gains T tokens every other step; every short prompt runs in the step after
+    # it arrived, in a step without long tokens when the step before had some
+    assert [st.get("long", 0) for st in steps] == [100, 0, 100, 0, 100, 0, 100, 0]
+    assert all(st.get(f"short{i}") == 20 for i, st in enumerate(steps))
 
 
 def test_long_class_is_kept_to_the_last_chunk() -> None:
@@ -88,7 +104,8 @@ def test_long_class_is_kept_to_the_last_chunk() -> None:
     # long1 has 40 left (below T) but is still long: its last chunk comes out of the long share,
     # and long2 gets the other 60 tokens of it.
     _add(s, "short", 90, base=9000)
-    assert _step(s) == {"long1": 40, "long2": 60, "short": 90}
+    assert _step(s) == {"short": 90}  # a short-only step after a long chunk
+    assert _step(s) == {"long1": 40, "long2": 60}
     assert _step(s) == {"long2": 100}
 
 
@@ -99,8 +116,8 @@ def test_short_prompt_delay_is_bounded_by_long_prompts(num_longs: int) -> None:
         _add(s, f"long{i}", 2000, base=10000 * (i + 1))
     _step(s)
     _add(s, "short", 60, base=99)
-    # Scheduled in the very next step, whatever the number of long prompts ahead.
-    assert _step(s).get("short") == 60
+    # Scheduled in the very next step, alone, whatever the number of long prompts ahead.
+    assert _step(s) == {"short": 60}
 
 
 def test_chunk_batch_entries_cover_positions_and_sample_on_last_chunk() -> None:
