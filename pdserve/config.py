@@ -255,6 +255,9 @@ class SchedulerConfig:
     never wait for a whole long one (0 = ``max_num_batched_tokens // 8``; see
     prefill_worker/scheduler.py); for a decode worker's local (unified-mode) prefills it caps the
     prompt tokens of a step that also decodes (0 = ``max_num_batched_tokens // 2``).
+    ``prefill_max_num_batched_tokens``: a prefill worker's tokens per step (0 = automatic: on a
+    CPU ``min(max_num_batched_tokens, 256)``, elsewhere ``max_num_batched_tokens``; see
+    :func:`prefill_worker.scheduler.prefill_step_budget`).
     """
 
     max_num_batched_tokens: int = 2048
@@ -262,6 +265,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    prefill_max_num_batched_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -269,6 +273,11 @@ class SchedulerConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
                 )
+        if self.prefill_max_num_batched_tokens < 0:
+            raise ConfigError(
+                "--prefill-max-num-batched-tokens must be >= 0 (0 = automatic), got "
+                f"{self.prefill_max_num_batched_tokens}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(
                 "--long-prefill-token-threshold must be >= 0 (0 = automatic), got "
@@ -277,6 +286,14 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "--max-num-batched-tokens must be >= --max-model-len when chunked prefill is off"
+            )
+        if (
+            not self.enable_chunked_prefill
+            and 0 < self.prefill_max_num_batched_tokens < self.max_model_len
+        ):
+            raise ConfigError(
+                "--prefill-max-num-batched-tokens must be >= --max-model-len when chunked "
+                "prefill is off"
             )
 
 

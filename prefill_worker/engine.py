@@ -47,7 +47,7 @@ from pdserve.structured.grammar import resume_matcher
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillResult, PrefillState
-from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from prefill_worker.scheduler import PrefillScheduler, PrefillSeq, prefill_step_budget
 
 if TYPE_CHECKING:
     from pdserve.engine.runner import ModelRunner
@@ -105,7 +105,11 @@ class PrefillEngine(WorkerEngine):
     ) -> None:
         super().__init__(config, runner, name=name, faults=faults)
         self.sender = sender
-        self.scheduler = PrefillScheduler(config.scheduler, self.kv)
+        self.scheduler = PrefillScheduler(
+            config.scheduler,
+            self.kv,
+            prefill_step_budget(config.scheduler, runner.device.type),
+        )
         self._pending: dict[str, _Pending] = {}
         self._owns_sender = False
         self.num_prefills = 0

@@ -1,13 +1,14 @@
 """Prefill scheduler (no torch): chunked, batched prefill with automatic prefix caching.
 
-Each ``schedule()`` call packs prompt chunks of several requests into one step under
-``max_num_batched_tokens`` (B) and ``max_num_seqs``.
+Each ``schedule()`` call packs prompt chunks of several requests into one step under the prefill
+step budget B (:func:`prefill_step_budget`: ``prefill_max_num_batched_tokens``, by default at
+most 256 tokens on a CPU) and ``max_num_seqs``.
 
 Policy (short prompts never wait for whole long prompts; long prompts always progress):
 
 * When a request is admitted, it is *long* if the prompt tokens it has left to compute (after
-  prefix-cache hits) exceed ``T = long_prefill_token_threshold`` (``0`` = ``max(1, B // 8)``),
-  else *short*. The class is kept until the prompt is done, so a long prompt's last chunk never
+  prefix-cache hits) exceed ``T = long_prefill_token_threshold`` (``0`` = automatic, see
+  :func:`default_long_threshold`), else *short*. The class is kept until the prompt is done, so a long prompt's last chunk never
   jumps ahead of short prompts.
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
   queue. A short request takes its whole remainder while budget lasts (a remainder the budget
@@ -29,20 +30,22 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   request to admit, admission stops for the step: memory is strictly first-come-first-served,
   so small prompts cannot starve a big one.
 
-The bounds (given KV room and ``max_num_seqs``, and ``T < B``):
+The bounds (given KV room and ``max_num_seqs``; ``T <= B``):
 
-* Short prompts: every step gives at most T tokens to long prompts, so the short prompts, served
-  in arrival order, get at least ``B - T`` tokens of every step while any is queued, and all
-  ``B`` of every step that follows one with long tokens. A short
-  prompt with ``r`` tokens to compute, arriving while short prompts with ``A`` tokens to compute
-  are ahead of it, is fully scheduled within ``ceil((A + r) / (B - T))`` steps after the step in
-  progress when it arrived, however many long prompts are queued. (A waiting request's class is
-  decided at admission: one that arrived earlier and turns short through a new prefix-cache hit
-  counts in ``A``.)
+* Short prompts: every step gives at most T tokens to long prompts, and a step with long tokens
+  is followed by one without while short prompts are queued, so the short prompts, served in
+  arrival order, get at least ``B - T`` tokens of every step and at least ``B`` of every two
+  consecutive steps while any is queued. A short prompt with ``r`` tokens to compute, arriving
+  while short prompts with ``A`` tokens to compute are ahead of it, is fully scheduled within
+  ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
+  ``ceil((A + r) / (B - T))`` when ``T < B``, however many long prompts are queued. (A waiting
+  request's class is decided at admission: one that arrived earlier and turns short through a
+  new prefix-cache hit counts in ``A``.)
 * Long prompts (no starvation): they are served in admission order at up to T tokens per step,
   so once every request admitted before it is done, a long prompt gains ``min(T, remaining)``
   tokens in every step that follows a step without long tokens, and in every step in which no
-  short prompt can run: at least every other step, whatever short prompts keep arriving.
+  short prompt can run: at least every other step, whatever short prompts keep arriving (with
+  ``T > B / 2``, short prompts admitted while it waited may take part of such a step first).
 
 With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no T cap;
 config ensures ``B >= max_model_len``).
@@ -77,16 +80,46 @@ PrefillOutput = SchedulerOutput[PrefillSeq]
 
 LONG_SHARE_DIVISOR = 8
 """Default long-prompt share of a step: ``max_num_batched_tokens // 8`` (256 tokens at the default
-2048). Chosen by measurement, not taken from elsewhere: SmolLM2-135M on one core of a 2-core CPU
-computes a 256-token chunk in about 0.3-2 s depending on its context and the machine's load, so a
-short prompt waits about a second for a step of long-prompt work; larger chunks made steps (and
-that wait) grow faster than their size, and 128-token chunks made long prompts slower in total.
-A server with more compute per step (a GPU) sets ``--long-prefill-token-threshold`` itself."""
+2048), at most half the prefill step. Chosen by measurement, not taken from elsewhere:
+SmolLM2-135M on one core of a 2-core CPU computes a 256-token chunk in about 0.3-2 s depending on
+its context and the machine's load, so a short prompt waits about a second for a step of
+long-prompt work; larger chunks made steps (and that wait) grow faster than their size. A server
+with more compute per step (a GPU) sets ``--long-prefill-token-threshold`` itself."""
+
+CPU_PREFILL_STEP_TOKENS = 256
+"""Default prefill step budget on a CPU (tokens). A CPU's cost per prompt token stops falling at a
+few hundred tokens a step (measured, SmolLM2-135M bf16, one thread, compiled: 1.04 ms per token in
+a 64-token step, 0.61 at 256, 0.49-0.57 at 512-2048), so a bigger step buys little throughput
+while every prompt in it waits for the whole batch: a burst of eight 64-token prompts computed as
+two 256-token steps instead of one 512-token step gets its first tokens ~25% sooner on average.
+This is DistServe's point about prefill batching past the length where the device saturates (Zhong
+et al., "DistServe", OSDI 2024, section 3.1). Measured in the serving suite's mixed workload
+(short prompts beside 1500-token ones; session 6 of docs/benchmarks.md): short mean TTFT 430 /
+452 ms with 2048-token steps, 302 / 285 ms with 256-token steps (both with 256-token long chunks
+and the alternation above; the long prompts' mean TTFT 1.8 s and 1.6-1.7 s). 128-token long
+chunks cut the short TTFT further (186-279 ms) but make every prompt over 128 tokens long, so a
+burst of 280-token prompts was computed 128 tokens a step; that default was not kept."""
 
 
-def default_long_threshold(max_num_batched_tokens: int) -> int:
-    """T when ``long_prefill_token_threshold`` is 0: ``max(1, B // LONG_SHARE_DIVISOR)``."""
-    return max(1, max_num_batched_tokens // LONG_SHARE_DIVISOR)
+def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
+    """A prefill worker's tokens per step on ``device_type`` ('cpu', 'cuda', ...):
+    ``prefill_max_num_batched_tokens`` when set, else on a CPU
+    ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, elsewhere
+    ``max_num_batched_tokens``. Without chunked prefill a prompt must fit one step, so the budget
+    is then ``max_num_batched_tokens`` unless set explicitly."""
+    if config.prefill_max_num_batched_tokens:
+        return config.prefill_max_num_batched_tokens
+    if device_type != "cpu" or not config.enable_chunked_prefill:
+        return config.max_num_batched_tokens
+    return min(config.max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)
+
+
+def default_long_threshold(max_num_batched_tokens: int, step_budget: int | None = None) -> int:
+    """T when ``long_prefill_token_threshold`` is 0: ``max_num_batched_tokens //
+    LONG_SHARE_DIVISOR``, at most the prefill ``step_budget`` (default:
+    ``max_num_batched_tokens``), at least 1."""
+    budget = max_num_batched_tokens if step_budget is None else step_budget
+    return max(1, min(max_num_batched_tokens // LONG_SHARE_DIVISOR, budget))
 
 
 class PrefillScheduler:
@@ -95,11 +128,19 @@ class PrefillScheduler:
     All methods must be called from one thread (the engine serialises them).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, step_budget: int | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
-        b = config.max_num_batched_tokens
-        t = config.long_prefill_token_threshold or default_long_threshold(b)
+        # tokens per step (prefill_step_budget for the worker's device; default B)
+        self.step_budget = config.max_num_batched_tokens if step_budget is None else step_budget
+        if self.step_budget < 1:
+            raise ValueError(f"step_budget must be >= 1, got {self.step_budget}")
+        b = self.step_budget
+        t = config.long_prefill_token_threshold or default_long_threshold(
+            config.max_num_batched_tokens, b
+        )
         self.long_threshold = min(t, b)
         self._waiting: deque[PrefillSeq] = deque()
         self._running: list[PrefillSeq] = []  # admitted, prompt not fully computed; FCFS
@@ -194,7 +235,7 @@ class PrefillScheduler:
         (and admits none) only when nothing can run under ``long_share``."""
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
-        budget = cfg.max_num_batched_tokens
+        budget = self.step_budget
         long_left = long_share
         picks: dict[PrefillSeq, int] = {}
         for seq in self._running:

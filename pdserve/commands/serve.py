@@ -155,6 +155,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
         ),
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
         worker_host=args.worker_host,

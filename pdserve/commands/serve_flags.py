@@ -154,13 +154,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens computed per step",
     )
     g.add_argument(
+        "--prefill-max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.prefill_max_num_batched_tokens,
+        help="tokens computed per step on prefill workers (0 = automatic: on a CPU at most 256, "
+        "where bigger prefill batches cost as much per token and only make every prompt of a "
+        "burst wait for the whole batch; elsewhere --max-num-batched-tokens)",
+    )
+    g.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=SchedulerConfig.long_prefill_token_threshold,
         help="prompts with more tokens than this to compute are long: on a prefill worker they "
         "share at most this many tokens of a step, so short prompts never wait for a whole long "
-        "one (0 = automatic: --max-num-batched-tokens // 8 on prefill workers, // 2 for a decode "
-        "worker's local prefills)",
+        "one (0 = automatic: --max-num-batched-tokens // 8, at most a prefill worker's step, "
+        "on prefill workers; // 2 for a decode worker's local prefills)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import ConfigError, SchedulerConfig
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
-from prefill_worker.scheduler import PrefillOutput, PrefillScheduler, PrefillSeq
+from prefill_worker.scheduler import (
+    CPU_PREFILL_STEP_TOKENS,
+    PrefillOutput,
+    PrefillScheduler,
+    PrefillSeq,
+    default_long_threshold,
+    prefill_step_budget,
+)
 
 BS = 16
 
@@ -57,6 +64,53 @@ def test_default_long_share_is_an_eighth_of_the_budget() -> None:
     assert _sched(batched=2048, threshold=0).long_threshold == 256
     assert _sched(batched=4, threshold=0).long_threshold == 1
     assert _sched(batched=256, threshold=1000).long_threshold == 256  # never above the budget
+
+
+def test_prefill_step_budget_is_capped_on_cpu_unless_set() -> None:
+    default = SchedulerConfig()  # max_num_batched_tokens 2048
+    assert prefill_step_budget(default, "cpu") == CPU_PREFILL_STEP_TOKENS == 256
+    assert prefill_step_budget(default, "cuda") == 2048
+    small = SchedulerConfig(max_num_batched_tokens=128)
+    assert prefill_step_budget(small, "cpu") == 128  # never above max_num_batched_tokens
+    explicit = SchedulerConfig(prefill_max_num_batched_tokens=1024)
+    assert prefill_step_budget(explicit, "cpu") == prefill_step_budget(explicit, "cuda") == 1024
+    # without chunked prefill a whole prompt must fit one step
+    whole = SchedulerConfig(
+        enable_chunked_prefill=False, max_num_batched_tokens=4096, max_model_len=4096
+    )
+    assert prefill_step_budget(whole, "cpu") == 4096
+    with pytest.raises(ConfigError, match="prefill-max-num-batched-tokens"):
+        SchedulerConfig(prefill_max_num_batched_tokens=-1)
+    with pytest.raises(ConfigError, match="prefill-max-num-batched-tokens must be >= --max-model"):
+        SchedulerConfig(
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            prefill_max_num_batched_tokens=256,
+        )
+
+
+def test_default_long_share_is_at_most_the_prefill_step() -> None:
+    assert default_long_threshold(2048) == 256
+    assert default_long_threshold(2048, 256) == 256  # the CPU default: B // 8 = the whole step
+    assert default_long_threshold(2048, 100) == 100
+    assert default_long_threshold(8192, 8192) == 1024
+    s = PrefillScheduler(
+        SchedulerConfig(max_num_batched_tokens=2048), KVCacheManager(256, BS), step_budget=256
+    )
+    assert (s.step_budget, s.long_threshold) == (256, 256)
+    _add(s, "long", 1000)
+    _add(s, "short1", 100, base=5000)
+    _add(s, "short2", 200, base=6000)
+    # a step never exceeds its budget; with T = B a long chunk fills its step, and the next
+    # step is the short prompts' (short2 continues in the one after the next long chunk)
+    assert _step(s) == {"long": 256}
+    assert _step(s) == {"short1": 100, "short2": 156}
+    assert _step(s) == {"long": 256}
+    assert _step(s) == {"short2": 44}
+    assert _step(s) == {"long": 256}
+    with pytest.raises(ValueError, match="step_budget"):
+        PrefillScheduler(SchedulerConfig(), KVCacheManager(4, BS), step_budget=0)
 
 
 def test_long_prompt_runs_t_tokens_per_step_even_alone() -> None:
