@@ -94,11 +94,12 @@ while every prompt in it waits for the whole batch: a burst of eight 64-token pr
 two 256-token steps instead of one 512-token step gets its first tokens ~25% sooner on average.
 This is DistServe's point about prefill batching past the length where the device saturates (Zhong
 et al., "DistServe", OSDI 2024, section 3.1). Measured in the serving suite's mixed workload
-(short prompts beside 1500-token ones; session 6 of docs/benchmarks.md): short mean TTFT 430 /
-452 ms with 2048-token steps, 302 / 285 ms with 256-token steps (both with 256-token long chunks
-and the alternation above; the long prompts' mean TTFT 1.8 s and 1.6-1.7 s). 128-token long
-chunks cut the short TTFT further (186-279 ms) but make every prompt over 128 tokens long, so a
-burst of 280-token prompts was computed 128 tokens a step; that default was not kept."""
+(eight closed-loop 64-token clients, alone and beside 1500-token prompts; session 6 of
+docs/benchmarks.md), two interleaved pairs of 2048- against 256-token steps (both with 256-token
+long chunks and the alternation above): short mean TTFT alone 205 / 231 -> 136 / 165 ms, beside
+the long prompts 249 / 330 -> 206 / 335 ms, the long prompts' 1.3-1.5 s either way. 128-token long
+chunks cut the mixed TTFT further (186-279 ms in other runs) but make every prompt over 128
+tokens long, so a burst of 280-token prompts ran 128 tokens a step; that default was not kept."""
 
 
 def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
