@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         return EngineConfig(
             load=LoadConfig(model=args.model, dtype=args.dtype),
             cache=CacheConfig(num_blocks=args.num_blocks, enable_prefix_caching=prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                prefill_max_num_batched_tokens=args.max_num_batched_tokens,  # the steps asked for
+            ),
             transfer=TransferConfig(backend="loopback"),
         )
 

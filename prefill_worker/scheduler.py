@@ -12,7 +12,7 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   jumps ahead of short prompts.
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
   queue. A short request takes its whole remainder while budget lasts (a remainder the budget
-  cuts continues next step, at the head of the line). Long requests **share at most T tokens per
+  cuts continues in the next step that runs short prompts, ahead of later ones). Long requests **share at most T tokens per
   step** between them, the earliest first, and get no more even when the rest of the budget is
   unused: every step then computes at most T tokens of long prompts, so a short prompt arriving
   during a step waits for one such step, never for a whole long prompt (a step's time grows with
@@ -80,7 +80,8 @@ PrefillOutput = SchedulerOutput[PrefillSeq]
 
 LONG_SHARE_DIVISOR = 8
 """Default long-prompt share of a step: ``max_num_batched_tokens // 8`` (256 tokens at the default
-2048), at most half the prefill step. Chosen by measurement, not taken from elsewhere:
+2048), at most the prefill step (an explicit ``--long-prefill-token-threshold`` is capped at the
+step too). Chosen by measurement, not taken from elsewhere:
 SmolLM2-135M on one core of a 2-core CPU computes a 256-token chunk in about 0.3-2 s depending on
 its context and the machine's load, so a short prompt waits about a second for a step of
 long-prompt work; larger chunks made steps (and that wait) grow faster than their size. A server

@@ -29,7 +29,13 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
-from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status_from_code
+from router.decode_attempt import (
+    WORKER_DOWN,
+    WORKER_SLOW,
+    DecodeAttempt,
+    read_event,
+    status_from_code,
+)
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WorkerPool, WorkerState
@@ -317,7 +323,7 @@ class RequestLifecycle:
             return None
         except asyncio.TimeoutError:
             attempt.close(abort=True, timeout_s=abort_timeout)
-            self.pool.report_failure(worker.worker_id)
+            self.pool.report_failure(worker.worker_id, slow=True)
             log.warning(
                 "%s: %s did not accept within %.1f s", attempt_id, worker.worker_id, timeout
             )
@@ -355,7 +361,7 @@ class RequestLifecycle:
                 details,
             )
             if code in WORKER_DOWN:
-                self.pool.report_failure(worker.worker_id)
+                self.pool.report_failure(worker.worker_id, slow=code in WORKER_SLOW)
 
     # -- prefill -------------------------------------------------------------------------------
 
@@ -433,7 +439,7 @@ class RequestLifecycle:
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in WORKER_DOWN:
-            self.pool.report_failure(worker.worker_id)
+            self.pool.report_failure(worker.worker_id, slow=code in WORKER_SLOW)
         self.num_prefill_failures += 1
         self._failed_prefill.add(worker.worker_id)
         log.warning(
@@ -534,7 +540,7 @@ class RequestLifecycle:
     def _lost(self, attempt: DecodeAttempt, why: str, code: grpc.StatusCode | None) -> None:
         """D's stream is gone: release it and re-place the sequence (MIGRATING / QUEUED)."""
         if code in WORKER_DOWN:
-            self.pool.report_failure(attempt.worker.worker_id)
+            self.pool.report_failure(attempt.worker.worker_id, slow=code in WORKER_SLOW)
         self._drop_attempt(abort=True)
         self._left_decode.add(attempt.worker.worker_id)
         self.num_migrations += 1

@@ -3,15 +3,19 @@
 Membership changes come from outside (``router/cluster.py`` on Ray, or tests): ``upsert`` adds a
 worker or replaces one whose address changed (a restarted actor), ``remove`` drops it. A
 background task polls every worker's GetStats each ``stats_interval_s``; a worker that fails
-``unhealthy_after`` polls (or RPCs, via :meth:`WorkerPool.report_failure`) in a row is skipped by
-placement until a poll succeeds again.
+``unhealthy_after`` polls (or RPCs, via :meth:`WorkerPool.report_failure`) with no successful poll
+between them is skipped by placement until a poll succeeds again.
 
-A poll that times out is not a failure by itself: a worker (or a router whose own event loop is
-starved by a flood of requests) can be late under load, and marking a loaded worker unhealthy
-turns overload into 503s and removes capacity exactly when it is needed. A timeout counts only
-once the worker has gone ``unresponsive_after_s`` seconds without a successful poll; a refused
-connection or any other error counts at once. This is the liveness probe's usual split between
-a failed probe and a slow one (Kubernetes: ``timeoutSeconds`` x ``failureThreshold``).
+A poll (or an RPC: a late Accepted, DEADLINE_EXCEEDED) that times out is not a failure by
+itself: a worker (or a router whose own event loop is starved by a flood of requests) can be late
+under load, and marking a loaded worker unhealthy turns overload into 503s and removes capacity
+exactly when it is needed. A timeout counts only once the worker has gone
+``unresponsive_after_s`` seconds without a successful poll; a refused connection or any other
+error counts at once. So a host that vanishes without refusing connections (a dropped network) is
+marked unhealthy after about ``unresponsive_after_s`` plus ``unhealthy_after`` poll timeouts
+(~13 s by default) instead of two timeouts (~3 s); its requests in flight are re-placed as their
+streams fail. This is the liveness probe's usual split between a failed probe and a slow one
+(Kubernetes: ``timeoutSeconds`` x ``failureThreshold``).
 
 Between polls the router corrects stale stats with its own bookkeeping: requests it placed on a
 decode worker since the last report count as running and their blocks as used; prompt tokens it

@@ -151,7 +151,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=SchedulerConfig.max_num_batched_tokens,
-        help="tokens computed per step",
+        help="tokens computed per step (prefill workers: see --prefill-max-num-batched-tokens)",
     )
     g.add_argument(
         "--prefill-max-num-batched-tokens",
@@ -167,7 +167,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.long_prefill_token_threshold,
         help="prompts with more tokens than this to compute are long: on a prefill worker they "
         "share at most this many tokens of a step, so short prompts never wait for a whole long "
-        "one (0 = automatic: --max-num-batched-tokens // 8, at most a prefill worker's step, "
+        "one; capped at a prefill worker's step (0 = automatic: --max-num-batched-tokens // 8 "
         "on prefill workers; // 2 for a decode worker's local prefills)",
     )
     g.add_argument(

@@ -11,7 +11,8 @@ A simulation adds random prompts between steps and runs every step as if compute
   while a short prompt is live;
 * no starvation: the earliest-arrived long prompt gains ``min(T, remaining)`` tokens in every step
   where no short prompt that arrived before it is still live and either the step before carried
-  no long tokens or no short prompt is live (``T <= B / 2``), and every prompt finishes.
+  no long tokens or no short prompt is live (``T <= B / 2``; with a larger share it gains tokens in
+  at least one of any two such steps), and every prompt finishes.
 
 KV room and ``max_num_seqs`` are ample here (the bounds assume both), and prompts share no prefix.
 """
@@ -54,6 +55,7 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
     assert s.long_threshold == threshold
     live: list[_Tracked] = []
     prev_had_long = False
+    missed_key, misses = "", 0  # eligible steps in a row without progress for the earliest long
     step = 0
     base = 0
     while step < len(arrivals) or live:
@@ -71,12 +73,13 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
         earliest_long = next((t for t in live if t.is_long), None)
         shorts_live = any(not t.is_long for t in live)
         short_only = prev_had_long and shorts_live
-        starved_check = (
-            2 * threshold <= budget  # with a larger share, shorts admitted ahead may take some
-            and earliest_long is not None
+        eligible = (
+            earliest_long is not None
             and not short_only
             and not any(not t.is_long and t.order < earliest_long.order for t in live)
         )
+        # with a share above half the step, shorts admitted while it waited may take some first
+        starved_check = eligible and 2 * threshold <= budget
         want_long = (
             min(threshold, earliest_long.seq.num_remaining_prompt_tokens)
             if earliest_long is not None
@@ -97,6 +100,13 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
         if starved_check:
             assert earliest_long is not None
             assert chunks.get(earliest_long.seq.request_id) == want_long, (step, chunks)
+        if eligible:  # any share: no two eligible steps in a row without progress
+            assert earliest_long is not None
+            key = earliest_long.seq.request_id
+            if key != missed_key:
+                missed_key, misses = key, 0
+            misses = 0 if chunks.get(key) else misses + 1
+            assert misses < 2, (step, chunks)
 
         sampled = [SampledToken(1) if x.sample else None for x in out.scheduled]
         for done, _ in s.update_from_output(out, sampled):
