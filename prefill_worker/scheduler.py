@@ -8,13 +8,13 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 
 * When a request is admitted, it is *long* if the prompt tokens it has left to compute (after
   prefix-cache hits) exceed ``T = long_prefill_token_threshold`` (``0`` = automatic, see
-  :func:`default_long_threshold`), else *short*. The class is kept until the prompt is done, so a long prompt's last chunk never
-  jumps ahead of short prompts.
+  :func:`default_long_threshold`), else *short*. The class is kept until the prompt is done, so
+  a long prompt's last chunk never jumps ahead of short prompts.
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
   queue. A short request takes its whole remainder while budget lasts (a remainder the budget
-  cuts continues in the next step that runs short prompts, ahead of later ones). Long requests **share at most T tokens per
-  step** between them, the earliest first, and get no more even when the rest of the budget is
-  unused: every step then computes at most T tokens of long prompts, so a short prompt arriving
+  cuts continues in the next step that runs short prompts, ahead of later ones). Long requests
+  **share at most T tokens per step** between them, the earliest first, and get no more even
+  when the rest of the budget is unused: every step then computes at most T tokens of long prompts, so a short prompt arriving
   during a step waits for one such step, never for a whole long prompt (a step's time grows with
   its tokens, and on a CPU faster than linearly with a chunk's attention context). A waiting long
   request that finds the long share used up is passed over (it keeps its place), so shorter
@@ -81,11 +81,11 @@ PrefillOutput = SchedulerOutput[PrefillSeq]
 LONG_SHARE_DIVISOR = 8
 """Default long-prompt share of a step: ``max_num_batched_tokens // 8`` (256 tokens at the default
 2048), at most the prefill step (an explicit ``--long-prefill-token-threshold`` is capped at the
-step too). Chosen by measurement, not taken from elsewhere:
-SmolLM2-135M on one core of a 2-core CPU computes a 256-token chunk in about 0.3-2 s depending on
-its context and the machine's load, so a short prompt waits about a second for a step of
-long-prompt work; larger chunks made steps (and that wait) grow faster than their size. A server
-with more compute per step (a GPU) sets ``--long-prefill-token-threshold`` itself."""
+step too). Chosen by measurement, not taken from elsewhere: SmolLM2-135M on one core of a 2-core
+CPU computes a 256-token chunk in about 0.3-2 s depending on its context and the machine's load,
+so a short prompt waits about a second for a step of long-prompt work; larger chunks made steps
+(and that wait) grow faster than their size. A server with more compute per step (a GPU) sets
+``--long-prefill-token-threshold`` itself."""
 
 CPU_PREFILL_STEP_TOKENS = 256
 """Default prefill step budget on a CPU (tokens). A CPU's cost per prompt token stops falling at a
