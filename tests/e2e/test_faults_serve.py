@@ -59,8 +59,8 @@ def startup() -> Iterator[tuple[ServeProcess, list[tuple[int, int, int]]]]:
                 for r in (health, models, chat):
                     if r.status_code == 503 and r is not health:
                         assert r.headers.get("retry-after"), (r.url, r.headers)
-                if chat.status_code == 200:
-                    break
+                if (models.status_code, chat.status_code) == (200, 200):
+                    break  # (a worker may register between the two calls: 503 then 200)
                 time.sleep(0.2)
         srv.wait_ready(timeout_s=300)
         yield srv, seen
