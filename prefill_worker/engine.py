@@ -110,6 +110,13 @@ class PrefillEngine(WorkerEngine):
             self.kv,
             prefill_step_budget(config.scheduler, runner.device.type),
         )
+        logger.info(
+            "%s: at most %d prompt tokens a step, long prompts (> %d tokens) share at most %d",
+            name,
+            self.scheduler.step_budget,
+            self.scheduler.long_threshold,
+            self.scheduler.long_threshold,
+        )
         self._pending: dict[str, _Pending] = {}
         self._owns_sender = False
         self.num_prefills = 0
