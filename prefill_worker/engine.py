@@ -115,7 +115,7 @@ class PrefillEngine(WorkerEngine):
             name,
             self.scheduler.step_budget,
             self.scheduler.long_threshold,
-            self.scheduler.long_threshold,
+            self.scheduler.long_share,
         )
         self._pending: dict[str, _Pending] = {}
         self._owns_sender = False

@@ -13,10 +13,11 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
   queue. A short request takes its whole remainder while budget lasts (a remainder the budget
   cuts continues in the next step that runs short prompts, ahead of later ones). Long requests
-  **share at most T tokens per step** between them, the earliest first, and get no more even
-  when the rest of the budget is unused: every step then computes at most T tokens of long prompts, so a short prompt arriving
-  during a step waits for one such step, never for a whole long prompt (a step's time grows with
-  its tokens, and on a CPU faster than linearly with a chunk's attention context). A waiting long
+  **share at most S = min(T, B) tokens per step** between them, the earliest first, and get no
+  more even when the rest of the budget is unused: every step then computes at most S tokens of
+  long prompts, so a short prompt arriving during a step waits for one such step, never for a
+  whole long prompt (a step's time grows with its tokens, and on a CPU faster than linearly with
+  a chunk's attention context). A waiting long
   request that finds the long share used up is passed over (it keeps its place), so shorter
   prompts behind it still run.
 * **Long chunks alternate with short-only steps while short prompts wait**: a step that follows
@@ -30,24 +31,24 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   request to admit, admission stops for the step: memory is strictly first-come-first-served,
   so small prompts cannot starve a big one.
 
-The bounds (given KV room and ``max_num_seqs``; ``T <= B``):
+The bounds (given KV room and ``max_num_seqs``):
 
-* Short prompts: every step gives at most T tokens to long prompts, and a step with long tokens
+* Short prompts: every step gives at most S tokens to long prompts, and a step with long tokens
   is followed by one without while short prompts are queued, so the short prompts, served in
-  arrival order, get at least ``B - T`` tokens of every step and at least ``B`` of every two
+  arrival order, get at least ``B - S`` tokens of every step and at least ``B`` of every two
   consecutive steps while any is queued. A short prompt with ``r`` tokens to compute, arriving
   while short prompts with ``A`` tokens to compute are ahead of it, is fully scheduled within
   ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
-  ``ceil((A + r) / (B - T))`` when ``T < B``, however many long prompts are queued. (A waiting
+  ``ceil((A + r) / (B - S))`` when ``S < B``, however many long prompts are queued. (A waiting
   request's class is decided at admission: one that arrived earlier and turns short through a
   new prefix-cache hit counts in ``A``.)
-* Long prompts (no starvation): they are served in admission order at up to T tokens per step,
-  so once every request admitted before it is done, a long prompt gains ``min(T, remaining)``
+* Long prompts (no starvation): they are served in admission order at up to S tokens per step,
+  so once every request admitted before it is done, a long prompt gains ``min(S, remaining)``
   tokens in every step that follows a step without long tokens, and in every step in which no
   short prompt can run: at least every other step, whatever short prompts keep arriving (with
-  ``T > B / 2``, short prompts admitted while it waited may take part of such a step first).
+  ``S > B / 2``, short prompts admitted while it waited may take part of such a step first).
 
-With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no T cap;
+With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no S cap;
 config ensures ``B >= max_model_len``).
 """
 
@@ -79,9 +80,9 @@ class PrefillSeq(EngineSeq[PrefillRequest]):
 PrefillOutput = SchedulerOutput[PrefillSeq]
 
 LONG_SHARE_DIVISOR = 8
-"""Default long-prompt share of a step: ``max_num_batched_tokens // 8`` (256 tokens at the default
-2048), at most the prefill step (an explicit ``--long-prefill-token-threshold`` is capped at the
-step too). Chosen by measurement, not taken from elsewhere: SmolLM2-135M on one core of a 2-core
+"""Default long-prompt threshold and share of a step: ``max_num_batched_tokens // 8`` (256 tokens at
+the default 2048); the share, not the threshold, is capped at the prefill step. Chosen by
+measurement, not taken from elsewhere: SmolLM2-135M on one core of a 2-core
 CPU computes a 256-token chunk in about 0.3-2 s depending on its context and the machine's load,
 so a short prompt waits about a second for a step of long-prompt work; larger chunks made steps
 (and that wait) grow faster than their size. A server with more compute per step (a GPU) sets
@@ -116,12 +117,12 @@ def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
     return min(config.max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)
 
 
-def default_long_threshold(max_num_batched_tokens: int, step_budget: int | None = None) -> int:
+def default_long_threshold(max_num_batched_tokens: int) -> int:
     """T when ``long_prefill_token_threshold`` is 0: ``max_num_batched_tokens //
-    LONG_SHARE_DIVISOR``, at most the prefill ``step_budget`` (default:
-    ``max_num_batched_tokens``), at least 1."""
-    budget = max_num_batched_tokens if step_budget is None else step_budget
-    return max(1, min(max_num_batched_tokens // LONG_SHARE_DIVISOR, budget))
+    LONG_SHARE_DIVISOR``, at least 1. The long prompts' share of a step is T capped at the step
+    (:attr:`PrefillScheduler.long_share`); the class threshold itself is not capped, so a small
+    step budget does not turn every prompt into a long one."""
+    return max(1, max_num_batched_tokens // LONG_SHARE_DIVISOR)
 
 
 class PrefillScheduler:
@@ -139,11 +140,12 @@ class PrefillScheduler:
         self.step_budget = config.max_num_batched_tokens if step_budget is None else step_budget
         if self.step_budget < 1:
             raise ValueError(f"step_budget must be >= 1, got {self.step_budget}")
-        b = self.step_budget
-        t = config.long_prefill_token_threshold or default_long_threshold(
-            config.max_num_batched_tokens, b
+        # T: prompts with more tokens than this to compute are long; their share of a step is T
+        # capped at the step
+        self.long_threshold = config.long_prefill_token_threshold or default_long_threshold(
+            config.max_num_batched_tokens
         )
-        self.long_threshold = min(t, b)
+        self.long_share = min(self.long_threshold, self.step_budget)
         self._waiting: deque[PrefillSeq] = deque()
         self._running: list[PrefillSeq] = []  # admitted, prompt not fully computed; FCFS
         self._sending: dict[str, PrefillSeq] = {}
@@ -216,9 +218,9 @@ class PrefillScheduler:
         """
         if self.config.enable_chunked_prefill and self._last_step_had_long:
             # a short-only step between long chunks when any short prompt can run (docstring)
-            picks = self._pick(long_share=0) or self._pick(self.long_threshold)
+            picks = self._pick(long_share=0) or self._pick(self.long_share)
         else:
-            picks = self._pick(self.long_threshold)
+            picks = self._pick(self.long_share)
         self._last_step_had_long = any(seq.is_long for seq in picks)
         t = time.monotonic() if now is None else now
         out = PrefillOutput()

@@ -167,7 +167,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.long_prefill_token_threshold,
         help="prompts with more tokens than this to compute are long: on a prefill worker they "
         "share at most this many tokens of a step, so short prompts never wait for a whole long "
-        "one; capped at a prefill worker's step (0 = automatic: --max-num-batched-tokens // 8 "
+        "one; the share is capped at a prefill worker's step (0 = automatic: "
+        "--max-num-batched-tokens // 8 "
         "on prefill workers; // 2 for a decode worker's local prefills)",
     )
     g.add_argument(

@@ -63,7 +63,8 @@ def _step(s: PrefillScheduler) -> dict[str, int]:
 def test_default_long_share_is_an_eighth_of_the_budget() -> None:
     assert _sched(batched=2048, threshold=0).long_threshold == 256
     assert _sched(batched=4, threshold=0).long_threshold == 1
-    assert _sched(batched=256, threshold=1000).long_threshold == 256  # never above the budget
+    wide = _sched(batched=256, threshold=1000)  # an explicit threshold above the step
+    assert (wide.long_threshold, wide.long_share) == (1000, 256)  # the share never exceeds it
 
 
 def test_prefill_step_budget_is_capped_on_cpu_unless_set() -> None:
@@ -90,25 +91,34 @@ def test_prefill_step_budget_is_capped_on_cpu_unless_set() -> None:
         )
 
 
-def test_default_long_share_is_at_most_the_prefill_step() -> None:
+def test_long_share_is_capped_at_the_prefill_step_but_the_class_threshold_is_not() -> None:
     assert default_long_threshold(2048) == 256
-    assert default_long_threshold(2048, 256) == 256  # the CPU default: B // 8 = the whole step
-    assert default_long_threshold(2048, 100) == 100
-    assert default_long_threshold(8192, 8192) == 1024
+    assert default_long_threshold(8) == 1
     s = PrefillScheduler(
         SchedulerConfig(max_num_batched_tokens=2048), KVCacheManager(256, BS), step_budget=256
     )
-    assert (s.step_budget, s.long_threshold) == (256, 256)
+    assert (s.step_budget, s.long_threshold, s.long_share) == (256, 256, 256)
     _add(s, "long", 1000)
     _add(s, "short1", 100, base=5000)
     _add(s, "short2", 200, base=6000)
-    # a step never exceeds its budget; with T = B a long chunk fills its step, and the next
+    # a step never exceeds its budget; with S = B a long chunk fills its step, and the next
     # step is the short prompts' (short2 continues in the one after the next long chunk)
     assert _step(s) == {"long": 256}
     assert _step(s) == {"short1": 100, "short2": 156}
     assert _step(s) == {"long": 256}
     assert _step(s) == {"short2": 44}
     assert _step(s) == {"long": 256}
+    # a tiny step budget keeps the class threshold: 30-token prompts stay short and go first
+    tiny = PrefillScheduler(
+        SchedulerConfig(max_num_batched_tokens=2048), KVCacheManager(256, BS), step_budget=16
+    )
+    assert (tiny.long_threshold, tiny.long_share) == (256, 16)
+    _add(tiny, "long", 1600)
+    _add(tiny, "short", 30, base=5000)
+    assert _step(tiny) == {"long": 16}
+    assert _step(tiny) == {"short": 16}
+    assert _step(tiny) == {"long": 16}
+    assert _step(tiny) == {"short": 14}
     with pytest.raises(ValueError, match="step_budget"):
         PrefillScheduler(SchedulerConfig(), KVCacheManager(4, BS), step_budget=0)
 
