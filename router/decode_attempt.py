@@ -26,9 +26,6 @@ WORKER_DOWN = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
-WORKER_SLOW = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Of WORKER_DOWN, the codes of a worker that may be alive but late: they count toward marking
-it unhealthy only once it has also gone unanswered for a while (router/pool.py)."""
 
 
 class DecodeAttempt:

@@ -29,16 +29,10 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
-from router.decode_attempt import (
-    WORKER_DOWN,
-    WORKER_SLOW,
-    DecodeAttempt,
-    read_event,
-    status_from_code,
-)
+from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status_from_code
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
 from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
-from router.pool import WorkerPool, WorkerState
+from router.pool import WORKER_SLOW, WorkerPool, WorkerState
 from router.readiness import STARTING_RETRY_AFTER_S
 from router.request_log import SequenceTrace
 from router.request_state import TERMINAL, RequestState, check_transition

@@ -42,6 +42,11 @@ from router.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 
+WORKER_SLOW = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Status codes of a worker that may be alive but late: they count toward marking it unhealthy
+only once it has also gone unanswered for ``unresponsive_after_s`` (see the module docstring)."""
+
+
 @dataclass
 class WorkerState:
     """One worker as the pool tracks it. Counts are router-side unless named ``stats``; only
@@ -273,7 +278,7 @@ def _slow(err: BaseException) -> bool:
     """Whether a failed GetStats timed out (the worker may be alive and busy)."""
     if isinstance(err, TimeoutError):
         return True
-    return isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in WORKER_SLOW
 
 
 def _publish(worker_id: str, s: pb.PrefillStats | pb.DecodeStats) -> None:
