@@ -41,7 +41,9 @@ MAX_WORKERS_PER_ROLE = 64  # /admin/scale bound: far beyond one node, catches ty
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (at least 0.5).
+    """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (for 16-bit models
+    on CPU one left to the router where each worker still gets a whole CPU; see
+    :func:`local_resources`).
 
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
     ``prefill_resources``/``decode_resources``: Ray custom resources each worker of that role
@@ -83,11 +85,30 @@ class ClusterSpec:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
 
+# CPUs the default split leaves to the router (HTTP and gRPC gateways, detokenization), Ray's
+# daemons and local clients, for 16-bit models on CPU, when that still leaves every worker a
+# whole CPU. A worker's torch threads wait for each other at every op, so a thread the router
+# keeps descheduling stalls the whole step, and a bf16 step is short enough for that to cost more
+# than the thread gains. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M, unified mode, the
+# serving suite's main workload (docs/benchmarks.md, session 7): bf16, three interleaved pairs,
+# the decode worker on 1 thread 229 / 223 / 214 output tok/s, on both cores 189 / 188 / 186;
+# float32, one pair, 1 thread 100.1, both cores 115.2 (fp32 matmuls gain from the second core),
+# so float32 keeps every CPU.
+ROUTER_RESERVED_CPUS = 1
+
+
 def local_resources(spec: ClusterSpec) -> tuple[float, int]:
-    """(CPUs per worker, CPUs to give a new local Ray) for ``spec``."""
+    """(CPUs per worker, CPUs to give a new local Ray) for ``spec``: ``cpus_per_worker``, else
+    the machine's CPUs split evenly, less ROUTER_RESERVED_CPUS for a bf16/fp16 model on CPU
+    where each worker still gets a whole CPU; at least 0.5."""
     n = spec.num_prefill_workers + spec.num_decode_workers
     total = os.cpu_count() or 1
-    cpus = spec.cpus_per_worker or max(0.5, total / n)
+    load = spec.engine.load
+    sixteen_bit_cpu = load.device == "cpu" and load.resolved_dtype != "float32"
+    usable = total
+    if sixteen_bit_cpu and total - ROUTER_RESERVED_CPUS >= n:
+        usable = total - ROUTER_RESERVED_CPUS
+    cpus = spec.cpus_per_worker or max(0.5, usable / n)
     ray_cpus = max(total, int(cpus * n + 0.999))
     return cpus, ray_cpus
 
