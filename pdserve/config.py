@@ -8,6 +8,7 @@ Entry points take a config; small structures take plain numbers. Every config va
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,20 @@ from pdserve.cpu import has_native_bf16
 
 class ConfigError(ValueError):
     """A configuration value is missing, out of range or unsupported (one line, names the field)."""
+
+
+# Ray refuses fractional resources finer than this
+MIN_CPUS_PER_WORKER = 0.0001
+
+
+def check_cpus_per_worker(cpus: float) -> None:
+    """ConfigError naming --cpus-per-worker unless ``cpus`` (Ray CPUs of one worker) is finite
+    and at least MIN_CPUS_PER_WORKER."""
+    if not (math.isfinite(cpus) and cpus >= MIN_CPUS_PER_WORKER):
+        raise ConfigError(
+            f"--cpus-per-worker must be a number >= {MIN_CPUS_PER_WORKER} (Ray's resource "
+            f"precision), got {cpus}"
+        )
 
 
 # --attention-backend choices; 'auto' is resolved per device by pdserve.attention.selector

@@ -42,6 +42,7 @@ from pdserve.config import (
     SchedulerConfig,
     ServeConfig,
     TransferConfig,
+    check_cpus_per_worker,
 )
 
 log = logging.getLogger("pdserve.serve")
@@ -182,6 +183,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         tool_call_parser=args.tool_call_parser,
     )
+    if args.cpus_per_worker is not None:
+        check_cpus_per_worker(args.cpus_per_worker)
     name = args.served_model_name or resolve_model(args.model).name
     return ServePlan(
         serve,

@@ -9,7 +9,7 @@ this module does not import Ray and tests drive actors directly). Lifecycle::
     await ping() -> bool                 # liveness: the step loop thread runs
     await stop()                         # stops gRPC, fails live requests, closes the transport
 
-torch threads = the actor's CPU share (its whole CPUs, at least 1), so co-located actors on
+torch threads = the actor's CPU share (``num_cpus`` rounded, at least 1), so co-located actors on
 a small machine do not oversubscribe the cores. Ray starts worker processes at niceness 15 (its
 ``worker_niceness`` default), below the router, the client and everything else on the machine;
 an actor is the serving hot path, so it asks for the normal priority back (best effort: lowering
@@ -45,9 +45,8 @@ E = TypeVar("E", bound=WorkerEngine)
 
 
 def threads_for(num_cpus: float) -> int:
-    """torch intra-op threads for a CPU share: its whole CPUs (``floor(num_cpus)``), at least 1,
-    so the workers' threads together never outnumber the CPUs they were given."""
-    return max(1, int(num_cpus))
+    """torch intra-op threads for a CPU share: ``round(num_cpus)``, at least 1."""
+    return max(1, round(num_cpus))
 
 
 def restore_priority() -> int:

@@ -25,16 +25,27 @@ def test_sixteen_bit_leaves_a_cpu_to_the_router(
 ) -> None:
     # unified on 2 cores: the decode worker gets one, the router the other
     assert split(2, dtype, 0, 1, monkeypatch) == (1.0, 2)
+    # 3 cores, 1 prefill + 1 decode: one each, one for the router
+    assert split(3, dtype, 1, 1, monkeypatch) == (1.0, 3)
+    # 17 cores, 4 workers: four each, one for the router
+    cpus, ray_cpus = split(17, dtype, 2, 2, monkeypatch)
+    assert (cpus, ray_cpus, threads_for(cpus)) == (4.0, 17, 4)
+
+
+def test_no_reservation_where_the_rest_does_not_split_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # 1 prefill + 1 decode on 2 cores: reserving one would leave a worker half a CPU
-    assert split(2, dtype, 1, 1, monkeypatch) == (1.0, 2)
-    # 16 cores, 2 workers: 7.5 CPUs each, 7 torch threads each, 2 cores for the router
-    cpus, ray_cpus = split(16, dtype, 1, 1, monkeypatch)
-    assert (cpus, ray_cpus, threads_for(cpus)) == (7.5, 16, 7)
+    assert split(2, "bfloat16", 1, 1, monkeypatch) == (1.0, 2)
+    # 4 cores, 2 workers: 3 do not split into whole CPUs, so both keep 2 (not 1 each)
+    assert split(4, "bfloat16", 1, 1, monkeypatch) == (2.0, 4)
+    assert split(16, "bfloat16", 1, 1, monkeypatch) == (8.0, 16)
 
 
 def test_float32_keeps_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert split(2, "float32", 0, 1, monkeypatch) == (2.0, 2)
-    assert split(16, "float32", 1, 1, monkeypatch) == (8.0, 16)
+    assert split(3, "float32", 1, 1, monkeypatch) == (1.5, 3)
+    assert threads_for(1.5) == 2
 
 
 def test_more_workers_than_cpus_and_explicit_share(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +53,9 @@ def test_more_workers_than_cpus_and_explicit_share(monkeypatch: pytest.MonkeyPat
     assert split(1, "bfloat16", 0, 1, monkeypatch) == (1.0, 1)
     assert split(2, "bfloat16", 0, 1, monkeypatch, cpus_per_worker=2.0) == (2.0, 2)
     assert split(2, "bfloat16", 1, 2, monkeypatch, cpus_per_worker=1.0) == (1.0, 3)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 0.00001])
+def test_bad_cpus_per_worker_is_named(bad: float) -> None:
+    with pytest.raises(ValueError, match="--cpus-per-worker must be a number >= 0.0001"):
+        ClusterSpec(EngineConfig(), 1, 1, cpus_per_worker=bad)

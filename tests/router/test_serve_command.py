@@ -73,6 +73,9 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--num-decode-workers", "0"], "--num-decode-workers"),
         (["--model", "/nonexistent/model"], "not found"),
         (["--device", "tpu"], "--device"),
+        (["--cpus-per-worker", "0"], "--cpus-per-worker must be a number >= 0.0001"),
+        (["--cpus-per-worker", "nan"], "--cpus-per-worker must be a number >= 0.0001"),
+        (["--cpus-per-worker", "inf"], "--cpus-per-worker must be a number >= 0.0001"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
