@@ -319,9 +319,16 @@ class RequestStream:
         finally:
             if last is None:  # ended without a token: it no longer waits either
                 self._first_token()
-            # every token produced counts, however the sequence ended (deadline, error, client)
+            # every token produced and every KV transfer counts, however the sequence ended
+            # (deadline, error, client), as the workers' own byte counters do
             metrics.GENERATION_TOKENS.inc(len(lc.output))
             self.router.stats.counts["generation_tokens"] += len(lc.output)
+            for rec in lc.transfers:
+                metrics.observe_transfer(rec.bytes, rec.ms, rec.outcome, rec.path)
+                self.router.stats.kv_transfer(rec.bytes, rec.path, rec.outcome)
+            for _ in range(lc.num_local_prefills):  # KV computed where it is used: nothing moved
+                metrics.observe_transfer(0, 0.0, "ok", "local")
+                self.router.stats.kv_transfer(0, "local", "ok")
 
     def _observe(self, lc: RequestLifecycle, reason: str) -> None:
         now = time.monotonic()
@@ -339,12 +346,6 @@ class RequestStream:
         if lc.first_token_time is not None and len(lc.output) > 1:
             tpot = (now - lc.first_token_time) / (len(lc.output) - 1)
             metrics.TPOT.observe(tpot)
-        for rec in lc.transfers:
-            metrics.observe_transfer(rec.bytes, rec.ms, rec.outcome, rec.path)
-            self.router.stats.kv_transfer(rec.bytes, rec.path, rec.outcome)
-        for _ in range(lc.num_local_prefills):  # KV computed where it is used: nothing moved
-            metrics.observe_transfer(0, 0.0, "ok", "local")
-            self.router.stats.kv_transfer(0, "local", "ok")
         self.router.stats.sequence_finished(
             reason,
             now - self.arrival,
