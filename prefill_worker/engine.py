@@ -143,7 +143,8 @@ class PrefillEngine(WorkerEngine):
         from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
 
-        runner = ModelRunner(config, model_config)
+        # a prefill worker never decodes: no second (skinny) copy of fp32 weights
+        runner = ModelRunner(config, model_config, skinny_linears=False)
         if sender is not None:
             return cls(config, runner, sender, name=name, faults=faults)
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)

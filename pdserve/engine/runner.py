@@ -56,7 +56,9 @@ class ModelRunner:
     ``model_config``: given, it overrides the checkpoint's (with ``load_format='dummy'`` it is the
     only config: random weights seeded by ``config.load.seed``). ``pack_weights``: on CPU, hold
     linear weights pre-packed for oneDNN (:func:`pdserve.model.cpu_linear.pack_linears`; faster,
-    same results within rounding); False keeps the loader's dense layers. With
+    same results within rounding); False keeps the loader's dense layers. ``skinny_linears``: fp32
+    weights also get panels for the few-row decode kernel (``pack_linears``' ``skinny``: None =
+    wherever it applies; False for a worker that never decodes, saving that weight copy). With
     ``config.load.torch_compile`` on CPU the decoder is compiled in the constructor (a forward of
     one dummy token; ``compile_seconds`` says how long it took). Raises ConfigError while loading.
     """
@@ -67,6 +69,7 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         *,
         pack_weights: bool = True,
+        skinny_linears: bool | None = None,
     ) -> None:
         self.config = config
         load = config.load
@@ -74,7 +77,7 @@ class ModelRunner:
         self.device = torch.device(load.device)
         self.model = load_model(load, model_config)
         if pack_weights and self.device.type == "cpu":
-            pack_linears(self.model)
+            pack_linears(self.model, skinny=skinny_linears)
         self.model_config: ModelConfig = self.model.config
         cfg = self.model_config
         self.block_size: int = config.cache.block_size

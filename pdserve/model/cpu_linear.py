@@ -13,38 +13,74 @@ by the ModelRunner (inference only) and never by the loader, so a loaded model k
 parameters (``state_dict`` for conversion, weight comparisons in tests). A weight oneDNN cannot
 pack (fp16 without avx512_fp16, a non-CPU device, a torch built without MKL-DNN) keeps its dense
 ``nn.Linear``.
+
+Skinny fp32 calls (a decode step's few rows) go elsewhere: oneDNN's fp32 kernels stream a weight at
+5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-512F, a
+:class:`PackedLinear` in fp32 can also hold the weight in column panels for
+``cpu_kernels/skinny_gemm.c`` and runs calls of up to :data:`SKINNY_MAX_ROWS` rows with it (SmolLM2-135M
+fp32, the 30 layers' four linears plus the LM head at 16 rows, one thread: 62.8 against 87.0 ms;
+two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467 against 597 ms, so larger
+calls stay with oneDNN). The panels are a second copy of the weight: the fp32 weights of a decoding
+worker take twice the memory (SmolLM2-135M: ~650 MB more). Results differ from oneDNN's by
+rounding (~1e-6 relative).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pdserve.attention.cpu_build import load_library
 from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
+
+log = logging.getLogger(__name__)
 
 # Rows per call oneDNN tunes the packed layout for; any row count works with any layout, and on
 # the measured shapes hints from 16 to 512 time the same within noise (1 is slower for fp32).
 DEFAULT_BATCH_HINT = 64
+
+SKINNY_SOURCE = Path(__file__).with_name("cpu_kernels") / "skinny_gemm.c"
+# output columns per packed panel (the C kernel's PANEL)
+SKINNY_PANEL = 16
+# Rows up to which the skinny kernel runs a call (measured, fp32, SmolLM2-135M shapes, one thread:
+# 1.38x oneDNN at 16 rows, 1.17x at 32, even at 64, 0.78x at 256).
+SKINNY_MAX_ROWS = 32
 
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held in oneDNN's blocked layout.
 
     ``weight`` [out, in] and ``bias`` [out] (or None) are dense CPU tensors of one dtype (fp32 or
-    bf16); they are copied (the module does not alias them). Raises RuntimeError when oneDNN cannot
-    pack this weight (see :func:`can_pack`).
+    bf16); they are copied (the module does not alias them). ``skinny``: also hold fp32 panels for
+    the skinny kernel (see the module docstring); None = wherever it applies (fp32 weight, kernel
+    built for this CPU), False = never, True = required (RuntimeError when it does not apply).
+    Raises RuntimeError when oneDNN cannot pack this weight (see :func:`can_pack`).
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = DEFAULT_BATCH_HINT
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_hint: int = DEFAULT_BATCH_HINT,
+        skinny: bool | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+            use_skinny = skinny_applies(weight) if skinny is None else skinny
+            if use_skinny and not skinny_applies(weight):
+                raise RuntimeError(f"skinny kernel unavailable for this weight: {skinny_reason()}")
+            self.skinny_weight = skinny_pack(weight.detach()) if use_skinny else None
         # an opaque MKL-DNN tensor, not a Parameter: nothing trains or serialises it
         self.packed_weight = packed
         self.bias = None if bias is None else bias.detach().clone()
@@ -52,36 +88,148 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] (weight dtype) -> [..., out_features]."""
         if torch.compiler.is_compiling():
-            out: torch.Tensor = _packed_linear_op(x, self.packed_weight, self.bias)
+            out: torch.Tensor = _packed_linear_op(
+                x, self.packed_weight, self.skinny_weight, self.bias
+            )
             return out
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _packed_linear(x, self.packed_weight, self.skinny_weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        kind = "oneDNN+skinny" if self.skinny_weight is not None else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
 
 
 # Inductor lowers mkldnn._linear_pointwise only for weights it packed itself (frozen graph
 # constants); a compiled decoder (pdserve/model/compile.py) reaches the same oneDNN call through
 # this opaque op instead, with the weight as a graph input, so one graph serves every layer.
 def _packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    skinny_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    if skinny_weight is not None and x.dtype == torch.float32:
+        rows = x.numel() // max(1, x.shape[-1])
+        if 0 < rows <= SKINNY_MAX_ROWS:
+            return skinny_linear(x, skinny_weight, packed_weight.shape[0], bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
 
 
 def _packed_linear_fake(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    skinny_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
 
 
 _packed_linear_op = opaque_op(
     "packed_linear",
-    "(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor",
+    "(Tensor x, Tensor packed_weight, Tensor? skinny_weight, Tensor? bias) -> Tensor",
     _packed_linear,
     _packed_linear_fake,
 )
+
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# x, rows, K, x row stride, panels, N, bias, y, y row stride, threads
+_SKINNY_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _P,
+    _I64,
+    _I64,
+    _I64,
+    _P,
+    _I64,
+    _P,
+    _P,
+    _I64,
+    _INT,
+]
+
+
+@functools.cache
+def _skinny_kernel() -> tuple[Callable[..., int] | None, str | None]:
+    """The loaded ``pd_skinny_gemm_f32`` and None, or None and why it cannot run here."""
+    kl = load_library(SKINNY_SOURCE)
+    if kl.lib is None:
+        return None, kl.reason
+    if not kl.lib.pd_skinny_available():
+        return None, "the CPU (or the build: no -march=native) lacks AVX-512F"
+    fn = kl.lib.pd_skinny_gemm_f32
+    fn.argtypes = _SKINNY_ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn, None
+
+
+def skinny_reason() -> str | None:
+    """Why the skinny kernel cannot run on this machine (one line), or None when it can."""
+    return _skinny_kernel()[1]
+
+
+def skinny_applies(weight: torch.Tensor) -> bool:
+    """True when ``weight`` gets skinny panels by default: a 2-D fp32 CPU tensor and the kernel
+    built and loaded here (AVX-512F; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and skinny_reason() is None
+    )
+
+
+def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] fp32 -> the kernel's panels [ceil(N / 16), K, 16] (contiguous):
+    ``panels[p, k, j] = weight[16 p + j, k]``, zero rows padding N to a multiple of 16."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, (-n) % SKINNY_PANEL))
+    return padded.view(-1, SKINNY_PANEL, k).transpose(1, 2).contiguous()
+
+
+def skinny_linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with W packed by :func:`skinny_pack`.
+
+    x: [..., K] fp32 CPU; panels: [ceil(out_features / 16), K, 16] fp32, contiguous; bias:
+    [out_features] fp32 or None. Returns a new [..., out_features] fp32 tensor; the call runs on
+    ``torch.get_num_threads()`` OpenMP threads. Any row count works (each 16 rows re-read the
+    panels); it pays below :data:`SKINNY_MAX_ROWS`. Raises RuntimeError when the kernel is
+    unavailable (:func:`skinny_reason`), ValueError when shapes or dtypes do not fit.
+    """
+    fn, why = _skinny_kernel()
+    if fn is None:
+        raise RuntimeError(f"skinny kernel unavailable: {why}")
+    k = x.shape[-1]
+    if (
+        x.dtype != torch.float32
+        or panels.dtype != torch.float32
+        or panels.dim() != 3
+        or panels.shape[1:] != (k, SKINNY_PANEL)
+        or panels.shape[0] * SKINNY_PANEL < out_features
+        or not panels.is_contiguous()
+    ):
+        raise ValueError(
+            f"skinny_linear: x [..., {k}] and panels {tuple(panels.shape)} must be fp32, panels "
+            f"contiguous [>= {-(-out_features // SKINNY_PANEL)}, {k}, {SKINNY_PANEL}]"
+        )
+    if bias is not None and (
+        bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
+    ):
+        raise ValueError(f"skinny_linear: bias must be a contiguous fp32 [{out_features}] tensor")
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows:
+        fn(
+            x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
 
 
 @functools.cache
@@ -105,11 +253,14 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.device.type == "cpu" and _onednn_packs(weight.dtype)
 
 
-def pack_linears(model: CausalLM, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
+def pack_linears(
+    model: CausalLM, batch_hint: int = DEFAULT_BATCH_HINT, skinny: bool | None = None
+) -> int:
     """Replace, in place, every ``nn.Linear`` of ``model`` whose weight :func:`can_pack` by a
     :class:`PackedLinear` with the same weight and bias. Returns the number replaced (0 when
     oneDNN is unavailable: the model is then unchanged). Call after the weights are loaded; the
-    dense weights of replaced layers are released.
+    dense weights of replaced layers are released. ``skinny``: passed to every PackedLinear
+    (None: skinny panels wherever they apply; False for a worker that never decodes).
 
     A model whose logits come from its input embedding (tied weights, ``lm_head is None``) gets a
     packed copy of the embedding matrix as its ``lm_head``: the embedding lookup needs the dense
@@ -118,7 +269,7 @@ def pack_linears(model: CausalLM, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
     if model.lm_head is None:
         weight = model.input_embeddings().weight
         if can_pack(weight):
-            model.lm_head = PackedLinear(weight, None, batch_hint)
+            model.lm_head = PackedLinear(weight, None, batch_hint, skinny)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -126,5 +277,5 @@ def pack_linears(model: CausalLM, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
         if isinstance(child, nn.Linear) and can_pack(child.weight)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
+        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint, skinny))
     return len(targets)

@@ -10,7 +10,17 @@ import torch.nn.functional as F
 from tiny_models import TINY, PagedForward
 
 from pdserve.config import LoadConfig
-from pdserve.model.cpu_linear import PackedLinear, can_pack, pack_linears
+from pdserve.model.cpu_linear import (
+    SKINNY_MAX_ROWS,
+    SKINNY_PANEL,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    skinny_applies,
+    skinny_linear,
+    skinny_pack,
+    skinny_reason,
+)
 from pdserve.model.loader import load_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,3 +76,92 @@ def test_pack_linears_keeps_the_model_output(tied: bool) -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # the embedding itself stays a dense table
     assert torch.equal(packed.input_embeddings().weight, dense.input_embeddings().weight)
+
+
+# ---------------------------------------------------------------- the skinny (few-row) fp32 kernel
+
+has_skinny = skinny_reason() is None
+
+
+@needs_onednn
+def test_skinny_kernel_is_used_exactly_where_it_applies() -> None:
+    w = torch.randn(40, 24)
+    auto = PackedLinear(w, None)
+    assert PackedLinear(w.bfloat16(), None).skinny_weight is None  # fp32 only
+    assert PackedLinear(w, None, skinny=False).skinny_weight is None
+    if has_skinny:
+        assert auto.skinny_weight is not None and "skinny" in repr(auto)
+        assert skinny_applies(w) and not skinny_applies(w.bfloat16())
+    else:  # no AVX-512F (or no C compiler) here: oneDNN only, and asking for it is an error
+        assert auto.skinny_weight is None and not skinny_applies(w)
+        with pytest.raises(RuntimeError, match="skinny kernel unavailable"):
+            PackedLinear(w, None, skinny=True)
+        with pytest.raises(RuntimeError, match="skinny kernel unavailable"):
+            skinny_linear(torch.randn(2, 24), skinny_pack(w), 40, None)
+
+
+def test_skinny_pack_layout() -> None:
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    panels = skinny_pack(w)
+    assert panels.shape == (2, 3, SKINNY_PANEL) and panels.is_contiguous()
+    for n in range(20):
+        assert torch.equal(panels[n // SKINNY_PANEL, :, n % SKINNY_PANEL], w[n])
+    assert not panels[1, :, 20 - SKINNY_PANEL :].any()  # zero padding past N
+
+
+@pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45])
+@pytest.mark.parametrize(("n", "k"), [(40, 24), (16, 7), (3, 130)])
+def test_skinny_linear_matches_dense(rows: int, n: int, k: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (b, None):
+            y = skinny_linear(x, skinny_pack(w), n, bias)
+            assert y.shape == (rows, n) and y.dtype == torch.float32
+            torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+        # any leading shape, a non-contiguous input; through the layer, as the model calls it
+        x3 = torch.randn(1, rows, 2 * k, generator=gen)[..., ::2]
+        layer = PackedLinear(w, b)
+        assert layer.skinny_weight is not None
+        torch.testing.assert_close(layer(x3), F.linear(x3, w, b), atol=1e-5, rtol=1e-5)
+        empty = skinny_linear(torch.zeros(0, k), skinny_pack(w), n, None)
+        assert empty.shape == (0, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
+def test_skinny_linear_rejects_what_does_not_fit() -> None:
+    w, x = torch.randn(40, 24), torch.randn(3, 24)
+    panels = skinny_pack(w)
+    with pytest.raises(ValueError, match="panels"):
+        skinny_linear(torch.randn(3, 25), panels, 40, None)  # K mismatch
+    with pytest.raises(ValueError, match="panels"):
+        skinny_linear(x, panels, 49, None)  # more columns than the panels hold
+    with pytest.raises(ValueError, match="panels"):
+        skinny_linear(x.bfloat16(), panels, 40, None)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(x, panels, 40, torch.randn(39))
+    # past SKINNY_MAX_ROWS the layer hands the call to oneDNN, with the same result
+    big = torch.randn(SKINNY_MAX_ROWS + 1, 24)
+    torch.testing.assert_close(PackedLinear(w, None)(big), big @ w.T, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_a_prefill_only_runner_holds_no_skinny_copy() -> None:
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    load = LoadConfig(model="dummy", load_format="dummy", dtype="float32", seed=3)
+    config = EngineConfig(load=load, cache=CacheConfig(num_blocks=8))
+    prefill = ModelRunner(config, TINY, skinny_linears=False)
+    layers = [m for m in prefill.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.skinny_weight is None for m in layers)
+    decode = ModelRunner(config, TINY)
+    layers = [m for m in decode.model.modules() if isinstance(m, PackedLinear)]
+    assert all((m.skinny_weight is not None) == has_skinny for m in layers)
