@@ -14,13 +14,13 @@ parameters (``state_dict`` for conversion, weight comparisons in tests). A weigh
 pack (fp16 without avx512_fp16, a non-CPU device, a torch built without MKL-DNN) keeps its dense
 ``nn.Linear``.
 
-Skinny fp32 calls (a decode step's few rows) go elsewhere: oneDNN's fp32 kernels stream a weight at
-5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-512F, a
+Skinny fp32 calls (a decode step's few rows) go elsewhere: oneDNN's fp32 kernels stream a weight
+at 5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-512F, a
 :class:`PackedLinear` in fp32 can also hold the weight in column panels for
-``cpu_kernels/skinny_gemm.c`` and runs calls of up to :data:`SKINNY_MAX_ROWS` rows with it (SmolLM2-135M
-fp32, the 30 layers' four linears plus the LM head at 16 rows, one thread: 62.8 against 87.0 ms;
-two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467 against 597 ms, so larger
-calls stay with oneDNN). The panels are a second copy of the weight: the fp32 weights of a decoding
+``cpu_kernels/skinny_gemm.c`` and runs calls of up to :data:`SKINNY_MAX_ROWS` rows with it
+(SmolLM2-135M fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AMX
+Xeon, one thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is
+faster, 467 against 597 ms, so larger calls stay with oneDNN). The panels are a second copy of the weight: the fp32 weights of a decoding
 worker take twice the memory (SmolLM2-135M: ~650 MB more). Results differ from oneDNN's by
 rounding (~1e-6 relative).
 """
