@@ -16,6 +16,8 @@ Variables (all optional):
   ``$XDG_CACHE_HOME/pdserve/kernels``, else ``~/.cache/pdserve/kernels``).
 - ``CC`` (the usual C compiler variable): the compiler of those kernels (default ``cc``, else
   ``gcc``, found on ``PATH``).
+- ``PDSERVE_CPU_SKINNY_GEMM``: ``0`` turns off the few-row fp32 linear kernel
+  (pdserve/model/cpu_linear.py) and with it the second copy of fp32 weights it holds.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -42,6 +44,7 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CC = "CC"
+CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
 
 
 def _get(name: str) -> str | None:
@@ -115,6 +118,11 @@ def kernel_cache_dir() -> Path:
 def c_compiler() -> str | None:
     """``CC`` as given (a command name or path, possibly not existing), or None when unset."""
     return _get(CC)
+
+
+def cpu_skinny_gemm() -> bool:
+    """False when ``PDSERVE_CPU_SKINNY_GEMM`` is ``0``, ``false``, ``no`` or ``off``; else True."""
+    return (_get(CPU_SKINNY_GEMM) or "1").lower() not in ("0", "false", "no", "off")
 
 
 def log_level() -> int:

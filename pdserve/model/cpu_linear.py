@@ -20,9 +20,10 @@ at 5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-5
 ``cpu_kernels/skinny_gemm.c`` and runs calls of up to :data:`SKINNY_MAX_ROWS` rows with it
 (SmolLM2-135M fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AMX
 Xeon, one thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is
-faster, 467 against 597 ms, so larger calls stay with oneDNN). The panels are a second copy of the weight: the fp32 weights of a decoding
-worker take twice the memory (SmolLM2-135M: ~650 MB more). Results differ from oneDNN's by
-rounding (~1e-6 relative).
+faster, 467 against 597 ms, so larger calls stay with oneDNN). The panels are a second copy of
+the weight: the fp32 weights of a decoding worker take twice the memory (SmolLM2-135M: ~650 MB
+more; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by rounding
+(~1e-6 relative).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve import env
 from pdserve.attention.cpu_build import load_library
 from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
@@ -164,7 +166,10 @@ def _skinny_kernel() -> tuple[Callable[..., int] | None, str | None]:
 
 
 def skinny_reason() -> str | None:
-    """Why the skinny kernel cannot run on this machine (one line), or None when it can."""
+    """Why the skinny kernel cannot run here (one line), or None when it can. Turned off by
+    ``PDSERVE_CPU_SKINNY_GEMM=0`` (:func:`pdserve.env.cpu_skinny_gemm`)."""
+    if not env.cpu_skinny_gemm():
+        return f"turned off by {env.CPU_SKINNY_GEMM}"
     return _skinny_kernel()[1]
 
 

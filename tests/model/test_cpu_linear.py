@@ -165,3 +165,11 @@ def test_a_prefill_only_runner_holds_no_skinny_copy() -> None:
     decode = ModelRunner(config, TINY)
     layers = [m for m in decode.model.modules() if isinstance(m, PackedLinear)]
     assert all((m.skinny_weight is not None) == has_skinny for m in layers)
+
+
+def test_the_skinny_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_SKINNY_GEMM", "0")
+    w = torch.randn(40, 24)
+    assert "PDSERVE_CPU_SKINNY_GEMM" in (skinny_reason() or "") and not skinny_applies(w)
+    if can_pack(w):
+        assert PackedLinear(w, None).skinny_weight is None
