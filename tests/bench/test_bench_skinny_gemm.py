@@ -1,0 +1,34 @@
+"""bench/skinny_gemm.py runs and reports every shape, or says why the kernel cannot run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from pdserve.model.cpu_linear import skinny_reason
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "skinny_gemm.py"
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_skinny_gemm_bench_reports_each_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_skinny_gemm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--rows", "5", "--layers", "1", "--rounds", "1"])
+    captured = capsys.readouterr()
+    if skinny_reason() is not None:  # e.g. an AVX2-only CPU: the bench says so and fails
+        assert rc == 2 and "unavailable" in captured.err
+        return
+    assert rc == 0
+    for name in mod.SHAPES:
+        assert re.search(
+            rf"^{name} .*skinny +\d+\.\d+ ms .*oneDNN +\d+\.\d+ ms", captured.out, re.M
+        )
+    assert re.search(
+        r"^total: skinny \d+\.\d+ ms, oneDNN \d+\.\d+ ms = \d+\.\d+x$", captured.out, re.M
+    )
