@@ -21,7 +21,7 @@ at 5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-5
 (SmolLM2-135M fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AMX
 Xeon, one thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is
 faster, 467 against 597 ms, so larger calls stay with oneDNN). The panels are a second copy of
-the weight: the fp32 weights of a decoding worker take twice the memory (SmolLM2-135M: ~650 MB
+the weight: the fp32 weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB
 more; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by rounding
 (~1e-6 relative).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,6 @@ from pdserve import env
 from pdserve.attention.cpu_build import load_library
 from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
-
-log = logging.getLogger(__name__)
 
 # Rows per call oneDNN tunes the packed layout for; any row count works with any layout, and on
 # the measured shapes hints from 16 to 512 time the same within noise (1 is slower for fp32).
@@ -138,17 +135,8 @@ _packed_linear_op = opaque_op(
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # x, rows, K, x row stride, panels, N, bias, y, y row stride, threads
 _SKINNY_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
-    _P,
-    _I64,
-    _I64,
-    _I64,
-    _P,
-    _I64,
-    _P,
-    _P,
-    _I64,
-    _INT,
-]
+    _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT,
+]  # fmt: skip
 
 
 @functools.cache
@@ -207,6 +195,8 @@ def skinny_linear(
     if fn is None:
         raise RuntimeError(f"skinny kernel unavailable: {why}")
     k = x.shape[-1]
+    if not (x.is_cpu and panels.is_cpu and (bias is None or bias.is_cpu)):
+        raise ValueError("skinny_linear: x, panels and bias must be CPU tensors")
     if (
         x.dtype != torch.float32
         or panels.dtype != torch.float32

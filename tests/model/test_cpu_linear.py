@@ -147,6 +147,8 @@ def test_skinny_linear_rejects_what_does_not_fit() -> None:
         skinny_linear(x.bfloat16(), panels, 40, None)
     with pytest.raises(ValueError, match="bias"):
         skinny_linear(x, panels, 40, torch.randn(39))
+    with pytest.raises(ValueError, match="CPU"):
+        skinny_linear(torch.empty(3, 24, device="meta"), panels, 40, None)
     # past SKINNY_MAX_ROWS the layer hands the call to oneDNN, with the same result
     big = torch.randn(SKINNY_MAX_ROWS + 1, 24)
     torch.testing.assert_close(PackedLinear(w, None)(big), big @ w.T, atol=1e-5, rtol=1e-5)
