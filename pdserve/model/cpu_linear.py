@@ -107,10 +107,17 @@ def _packed_linear(
     skinny_weight: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    if skinny_weight is not None and x.dtype == torch.float32:
+    # the panels and bias come from PackedLinear (fp32, contiguous, fitting): only x is checked
+    if (
+        skinny_weight is not None
+        and x.dtype == torch.float32
+        and x.is_cpu
+        and x.shape[-1] == skinny_weight.shape[1]
+    ):
         rows = x.numel() // max(1, x.shape[-1])
-        if 0 < rows <= SKINNY_MAX_ROWS:
-            return skinny_linear(x, skinny_weight, packed_weight.shape[0], bias)
+        fn = _skinny_kernel()[0]
+        if 0 < rows <= SKINNY_MAX_ROWS and fn is not None:
+            return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
 
@@ -213,6 +220,19 @@ def skinny_linear(
         bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
         raise ValueError(f"skinny_linear: bias must be a contiguous fp32 [{out_features}] tensor")
+    return _skinny_run(fn, x, panels, out_features, bias)
+
+
+def _skinny_run(
+    fn: Callable[..., int],
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel call itself, for arguments already known to fit (what :func:`skinny_linear`
+    checks; a :class:`PackedLinear` builds its panels and bias so, and checks x per call)."""
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()

@@ -149,6 +149,9 @@ def test_skinny_linear_rejects_what_does_not_fit() -> None:
         skinny_linear(x, panels, 40, torch.randn(39))
     with pytest.raises(ValueError, match="CPU"):
         skinny_linear(torch.empty(3, 24, device="meta"), panels, 40, None)
+    # the layer never hands the kernel an input of the wrong width (oneDNN refuses it instead)
+    with pytest.raises(RuntimeError):
+        PackedLinear(w, None)(torch.randn(3, 25))
     # past SKINNY_MAX_ROWS the layer hands the call to oneDNN, with the same result
     big = torch.randn(SKINNY_MAX_ROWS + 1, 24)
     torch.testing.assert_close(PackedLinear(w, None)(big), big @ w.T, atol=1e-5, rtol=1e-5)
