@@ -16,8 +16,8 @@ Variables (all optional):
   ``$XDG_CACHE_HOME/pdserve/kernels``, else ``~/.cache/pdserve/kernels``).
 - ``CC`` (the usual C compiler variable): the compiler of those kernels (default ``cc``, else
   ``gcc``, found on ``PATH``).
-- ``PDSERVE_CPU_SKINNY_GEMM``: ``0`` turns off the few-row fp32 linear kernel
-  (pdserve/model/cpu_linear.py) and with it the second copy of fp32 weights it holds.
+- ``PDSERVE_CPU_SKINNY_GEMM``: ``0`` turns off the few-row fp32 and bf16 linear kernels
+  (pdserve/model/cpu_linear.py) and with them the second copy of the weights they hold.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 

@@ -143,7 +143,7 @@ class PrefillEngine(WorkerEngine):
         from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
 
-        # a prefill worker never decodes: no second (skinny) copy of fp32 weights
+        # a prefill worker never decodes: no second (skinny) copy of its weights
         runner = ModelRunner(config, model_config, skinny_linears=False)
         if sender is not None:
             return cls(config, runner, sender, name=name, faults=faults)

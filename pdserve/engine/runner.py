@@ -56,9 +56,10 @@ class ModelRunner:
     ``model_config``: given, it overrides the checkpoint's (with ``load_format='dummy'`` it is the
     only config: random weights seeded by ``config.load.seed``). ``pack_weights``: on CPU, hold
     linear weights pre-packed for oneDNN (:func:`pdserve.model.cpu_linear.pack_linears`; faster,
-    same results within rounding); False keeps the loader's dense layers. ``skinny_linears``: fp32
-    weights also get panels for the few-row decode kernel (``pack_linears``' ``skinny``: None =
-    wherever it applies; False for a worker that never decodes, saving that weight copy). With
+    same results within rounding); False keeps the loader's dense layers. ``skinny_linears``:
+    fp32 and bf16 weights also get panels for the few-row decode kernel (``pack_linears``'
+    ``skinny``: None = wherever it applies; False for a worker that never decodes, saving that
+    weight copy). With
     ``config.load.torch_compile`` on CPU the decoder is compiled in the constructor (a forward of
     one dummy token; ``compile_seconds`` says how long it took). Raises ConfigError while loading.
     """

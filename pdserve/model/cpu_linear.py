@@ -14,16 +14,16 @@ parameters (``state_dict`` for conversion, weight comparisons in tests). A weigh
 pack (fp16 without avx512_fp16, a non-CPU device, a torch built without MKL-DNN) keeps its dense
 ``nn.Linear``.
 
-Skinny fp32 calls (a decode step's few rows) go elsewhere: oneDNN's fp32 kernels stream a weight
-at 5-7 GB/s there, about half of what one core can pull. Where the CPU has AVX-512F, a
-:class:`PackedLinear` in fp32 can also hold the weight in column panels for
-``cpu_kernels/skinny_gemm.c`` and runs calls of up to :data:`SKINNY_MAX_ROWS` rows with it
-(SmolLM2-135M fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AMX
-Xeon, one thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is
-faster, 467 against 597 ms, so larger calls stay with oneDNN). The panels are a second copy of
-the weight: the fp32 weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB
-more; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by rounding
-(~1e-6 relative).
+Skinny calls (a decode step's few rows) go elsewhere: oneDNN's kernels stream a weight at 5-8 GB/s
+there, below what one core can pull. Where the CPU has AVX-512F (fp32) or AVX512_BF16 (bf16), a
+:class:`PackedLinear` can also hold the weight in column panels for ``cpu_kernels/skinny_gemm.c``
+and runs calls of :data:`SKINNY_ROWS` rows with it (SmolLM2-135M fp32, the 30 layers'
+four linears plus the LM head at 16 rows, measured on an AMX Xeon, one thread: 62.8 against 87.0
+ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467 against 597 ms, so larger
+calls stay with oneDNN; bf16 in docs/benchmarks.md). The panels are a second copy of the weight:
+the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32, ~270
+MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by
+rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).
 """
 
 from __future__ import annotations
@@ -53,15 +53,25 @@ SKINNY_PANEL = 16
 # Rows up to which the skinny kernel runs a call (measured, fp32, SmolLM2-135M shapes, one thread:
 # 1.38x oneDNN at 16 rows, 1.17x at 32, even at 64, 0.78x at 256).
 SKINNY_MAX_ROWS = 32
+# The row counts (inclusive) each dtype's kernel runs; the rest go to oneDNN. bf16 (measured on a
+# Zen 4 EPYC, one thread, bench/skinny_gemm.py): below 9 rows oneDNN streams the weight faster
+# (0.7-0.95x at 1-8 rows) and the kernel only pays where it is bound by its dot products (1.16-1.23x
+# at 16 rows, 1.08x at 32, even at 64).
+SKINNY_ROWS = {torch.float32: (1, SKINNY_MAX_ROWS), torch.bfloat16: (9, SKINNY_MAX_ROWS)}
+# the C entry point and the CPU feature it needs, per weight dtype
+_SKINNY_FUNCS = {
+    torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F"),
+    torch.bfloat16: ("pd_skinny_gemm_bf16", "pd_skinny_bf16_available", "AVX512_BF16"),
+}
 
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held in oneDNN's blocked layout.
 
     ``weight`` [out, in] and ``bias`` [out] (or None) are dense CPU tensors of one dtype (fp32 or
-    bf16); they are copied (the module does not alias them). ``skinny``: also hold fp32 panels for
-    the skinny kernel (see the module docstring); None = wherever it applies (fp32 weight, kernel
-    built for this CPU), False = never, True = required (RuntimeError when it does not apply).
+    bf16); they are copied (the module does not alias them). ``skinny``: also hold panels for the
+    skinny kernel (see the module docstring); None = wherever it applies (:func:`skinny_applies`),
+    False = never, True = required (RuntimeError when it does not apply).
     Raises RuntimeError when oneDNN cannot pack this weight (see :func:`can_pack`).
     """
 
@@ -78,7 +88,8 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
             use_skinny = skinny_applies(weight) if skinny is None else skinny
             if use_skinny and not skinny_applies(weight):
-                raise RuntimeError(f"skinny kernel unavailable for this weight: {skinny_reason()}")
+                why = skinny_reason(weight.dtype) or "needs a 2-D CPU weight, K even for bf16"
+                raise RuntimeError(f"skinny kernel unavailable for this weight: {why}")
             self.skinny_weight = skinny_pack(weight.detach()) if use_skinny else None
         # an opaque MKL-DNN tensor, not a Parameter: nothing trains or serialises it
         self.packed_weight = packed
@@ -107,16 +118,17 @@ def _packed_linear(
     skinny_weight: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    # the panels and bias come from PackedLinear (fp32, contiguous, fitting): only x is checked
+    # the panels and bias come from PackedLinear (contiguous, fitting): only x is checked
     if (
         skinny_weight is not None
-        and x.dtype == torch.float32
+        and x.dtype == skinny_weight.dtype
         and x.is_cpu
-        and x.shape[-1] == skinny_weight.shape[1]
+        and x.shape[-1] == _panels_k(skinny_weight)
     ):
         rows = x.numel() // max(1, x.shape[-1])
-        fn = _skinny_kernel()[0]
-        if 0 < rows <= SKINNY_MAX_ROWS and fn is not None:
+        lo, hi = SKINNY_ROWS[x.dtype]
+        fn = _skinny_kernel(x.dtype)[0]
+        if lo <= rows <= hi and fn is not None:
             return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
@@ -147,44 +159,65 @@ _SKINNY_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
 
 
 @functools.cache
-def _skinny_kernel() -> tuple[Callable[..., int] | None, str | None]:
-    """The loaded ``pd_skinny_gemm_f32`` and None, or None and why it cannot run here."""
+def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str | None]:
+    """The loaded kernel for ``dtype`` weights (fp32 or bf16) and None, or None and why it cannot
+    run here."""
+    if dtype not in _SKINNY_FUNCS:
+        return None, f"no skinny kernel for {dtype} (fp32 and bf16 only)"
+    name, available, feature = _SKINNY_FUNCS[dtype]
     kl = load_library(SKINNY_SOURCE)
     if kl.lib is None:
         return None, kl.reason
-    if not kl.lib.pd_skinny_available():
-        return None, "the CPU (or the build: no -march=native) lacks AVX-512F"
-    fn = kl.lib.pd_skinny_gemm_f32
+    if not getattr(kl.lib, available)():
+        return None, f"the CPU (or the build: no -march=native) lacks {feature}"
+    fn = getattr(kl.lib, name)
     fn.argtypes = _SKINNY_ARGTYPES
     fn.restype = ctypes.c_int
     return fn, None
 
 
-def skinny_reason() -> str | None:
-    """Why the skinny kernel cannot run here (one line), or None when it can. Turned off by
-    ``PDSERVE_CPU_SKINNY_GEMM=0`` (:func:`pdserve.env.cpu_skinny_gemm`)."""
+def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the skinny kernel cannot run here for ``dtype`` weights (one line), or None when it
+    can. Turned off by ``PDSERVE_CPU_SKINNY_GEMM=0`` (:func:`pdserve.env.cpu_skinny_gemm`)."""
     if not env.cpu_skinny_gemm():
         return f"turned off by {env.CPU_SKINNY_GEMM}"
-    return _skinny_kernel()[1]
+    return _skinny_kernel(dtype)[1]
 
 
 def skinny_applies(weight: torch.Tensor) -> bool:
-    """True when ``weight`` gets skinny panels by default: a 2-D fp32 CPU tensor and the kernel
-    built and loaded here (AVX-512F; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
+    """True when ``weight`` gets skinny panels by default: a 2-D fp32 or bf16 CPU tensor (bf16:
+    an even number of columns K) and the kernel for its dtype built and loaded here (fp32:
+    AVX-512F, bf16: AVX512_BF16; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
     return (
         weight.dim() == 2
-        and weight.dtype == torch.float32
         and weight.device.type == "cpu"
-        and skinny_reason() is None
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+        )
+        and skinny_reason(weight.dtype) is None
     )
 
 
 def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] fp32 -> the kernel's panels [ceil(N / 16), K, 16] (contiguous):
-    ``panels[p, k, j] = weight[16 p + j, k]``, zero rows padding N to a multiple of 16."""
+    """``weight`` [N, K] -> the kernel's panels, zero rows padding N to a multiple of 16.
+
+    fp32: [ceil(N / 16), K, 16], ``panels[p, k, j] = weight[16 p + j, k]``. bf16 (K even):
+    [ceil(N / 16), K / 2, 16, 2], ``panels[p, kk, j, t] = weight[16 p + j, 2 kk + t]`` (the pairs
+    VDPBF16PS multiplies). Contiguous. Raises ValueError for another dtype or an odd bf16 K.
+    """
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, (-n) % SKINNY_PANEL))
-    return padded.view(-1, SKINNY_PANEL, k).transpose(1, 2).contiguous()
+    if weight.dtype == torch.float32:
+        return padded.view(-1, SKINNY_PANEL, k).transpose(1, 2).contiguous()
+    if weight.dtype == torch.bfloat16 and k % 2 == 0:
+        return padded.view(-1, SKINNY_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    raise ValueError(f"skinny_pack: fp32 [N, K] or bf16 [N, even K], got {weight.dtype} [{n}, {k}]")
+
+
+def _panels_k(panels: torch.Tensor) -> int:
+    """K (input features) of panels made by :func:`skinny_pack`."""
+    return int(panels.shape[1]) * (int(panels.shape[3]) if panels.dim() == 4 else 1)
 
 
 def skinny_linear(
@@ -192,34 +225,38 @@ def skinny_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with W packed by :func:`skinny_pack`.
 
-    x: [..., K] fp32 CPU; panels: [ceil(out_features / 16), K, 16] fp32, contiguous; bias:
-    [out_features] fp32 or None. Returns a new [..., out_features] fp32 tensor; the call runs on
-    ``torch.get_num_threads()`` OpenMP threads. Any row count works (each 16 rows re-read the
-    panels); it pays below :data:`SKINNY_MAX_ROWS`. Raises RuntimeError when the kernel is
-    unavailable (:func:`skinny_reason`), ValueError when shapes or dtypes do not fit.
+    x: [..., K] CPU, of the panels' dtype (fp32 or bf16); panels: as :func:`skinny_pack` returns
+    for a weight of ``out_features`` (or fewer) rows; bias: [out_features] of the same dtype, or
+    None. Returns a new [..., out_features] tensor of that dtype (bf16: fp32 sums rounded once);
+    the call runs on ``torch.get_num_threads()`` OpenMP threads. Any row count works (each 16 rows
+    re-read the panels); it pays in :data:`SKINNY_ROWS`. Raises RuntimeError when the
+    kernel is unavailable (:func:`skinny_reason`), ValueError when shapes or dtypes do not fit.
     """
-    fn, why = _skinny_kernel()
+    fn, why = _skinny_kernel(panels.dtype)
     if fn is None:
         raise RuntimeError(f"skinny kernel unavailable: {why}")
     k = x.shape[-1]
     if not (x.is_cpu and panels.is_cpu and (bias is None or bias.is_cpu)):
         raise ValueError("skinny_linear: x, panels and bias must be CPU tensors")
+    want = (k, SKINNY_PANEL) if panels.dtype == torch.float32 else (k // 2, SKINNY_PANEL, 2)
     if (
-        x.dtype != torch.float32
-        or panels.dtype != torch.float32
-        or panels.dim() != 3
-        or panels.shape[1:] != (k, SKINNY_PANEL)
+        x.dtype != panels.dtype
+        or panels.shape[1:] != want
+        or _panels_k(panels) != k
         or panels.shape[0] * SKINNY_PANEL < out_features
         or not panels.is_contiguous()
     ):
         raise ValueError(
-            f"skinny_linear: x [..., {k}] and panels {tuple(panels.shape)} must be fp32, panels "
-            f"contiguous [>= {-(-out_features // SKINNY_PANEL)}, {k}, {SKINNY_PANEL}]"
+            f"skinny_linear: x [..., {k}] {x.dtype} and panels {tuple(panels.shape)} "
+            f"{panels.dtype} must share a dtype, panels contiguous "
+            f"[>= {-(-out_features // SKINNY_PANEL)}, {', '.join(map(str, want))}]"
         )
     if bias is not None and (
-        bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
+        bias.dtype != panels.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
-        raise ValueError(f"skinny_linear: bias must be a contiguous fp32 [{out_features}] tensor")
+        raise ValueError(
+            f"skinny_linear: bias must be a contiguous {panels.dtype} [{out_features}] tensor"
+        )
     return _skinny_run(fn, x, panels, out_features, bias)
 
 
@@ -237,7 +274,7 @@ def _skinny_run(
     if k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    y = torch.empty(rows, out_features, dtype=torch.float32)
+    y = torch.empty(rows, out_features, dtype=x.dtype)
     if rows:
         fn(
             x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,

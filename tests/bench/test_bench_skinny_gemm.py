@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.model.cpu_linear import skinny_reason
 
@@ -14,14 +15,17 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "skinny_gemm.py"
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_skinny_gemm_bench_reports_each_shape(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_skinny_gemm_bench_reports_each_shape(
+    dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     spec = importlib.util.spec_from_file_location("bench_skinny_gemm", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main(["--rows", "5", "--layers", "1", "--rounds", "1"])
+    rc = mod.main(["--rows", "5", "--layers", "1", "--rounds", "1", "--dtype", dtype])
     captured = capsys.readouterr()
-    if skinny_reason() is not None:  # e.g. an AVX2-only CPU: the bench says so and fails
+    if skinny_reason(getattr(torch, dtype)) is not None:  # e.g. AVX2 only: it says so and fails
         assert rc == 2 and "unavailable" in captured.err
         return
     assert rc == 0

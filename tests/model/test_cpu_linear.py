@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -78,20 +79,28 @@ def test_pack_linears_keeps_the_model_output(tied: bool) -> None:
     assert torch.equal(packed.input_embeddings().weight, dense.input_embeddings().weight)
 
 
-# ---------------------------------------------------------------- the skinny (few-row) fp32 kernel
+# ------------------------------------------------------- the skinny (few-row) fp32 and bf16 kernels
 
 has_skinny = skinny_reason() is None
+has_skinny_bf16 = skinny_reason(torch.bfloat16) is None
 
 
 @needs_onednn
 def test_skinny_kernel_is_used_exactly_where_it_applies() -> None:
     w = torch.randn(40, 24)
     auto = PackedLinear(w, None)
-    assert PackedLinear(w.bfloat16(), None).skinny_weight is None  # fp32 only
     assert PackedLinear(w, None, skinny=False).skinny_weight is None
+    assert not skinny_applies(w.half()) and not skinny_applies(w.bfloat16()[:, :23])  # odd K
+    if can_pack(w.bfloat16()):  # bf16: panels where the CPU has AVX512_BF16
+        bf16 = PackedLinear(w.bfloat16(), None)
+        assert (bf16.skinny_weight is not None) == has_skinny_bf16 == skinny_applies(w.bfloat16())
+        assert PackedLinear(w.bfloat16(), None, skinny=False).skinny_weight is None
+        if not has_skinny_bf16:
+            with pytest.raises(RuntimeError, match="AVX512_BF16"):
+                PackedLinear(w.bfloat16(), None, skinny=True)
     if has_skinny:
         assert auto.skinny_weight is not None and "skinny" in repr(auto)
-        assert skinny_applies(w) and not skinny_applies(w.bfloat16())
+        assert skinny_applies(w)
     else:  # no AVX-512F (or no C compiler) here: oneDNN only, and asking for it is an error
         assert auto.skinny_weight is None and not skinny_applies(w)
         with pytest.raises(RuntimeError, match="skinny kernel unavailable"):
@@ -107,6 +116,17 @@ def test_skinny_pack_layout() -> None:
     for n in range(20):
         assert torch.equal(panels[n // SKINNY_PANEL, :, n % SKINNY_PANEL], w[n])
     assert not panels[1, :, 20 - SKINNY_PANEL :].any()  # zero padding past N
+    # bf16: pairs of consecutive k per column, [P, K / 2, 16, 2]
+    wb = torch.arange(20 * 6, dtype=torch.float32).view(20, 6).bfloat16()
+    pb = skinny_pack(wb)
+    assert pb.shape == (2, 3, SKINNY_PANEL, 2) and pb.is_contiguous()
+    for n in range(20):
+        assert torch.equal(pb[n // SKINNY_PANEL, :, n % SKINNY_PANEL, :].reshape(6), wb[n])
+    assert not pb[1, :, 20 - SKINNY_PANEL :].any()
+    with pytest.raises(ValueError, match="even K"):
+        skinny_pack(wb[:, :5])
+    with pytest.raises(ValueError, match="float16"):
+        skinny_pack(w.half())
 
 
 @pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
@@ -135,6 +155,44 @@ def test_skinny_linear_matches_dense(rows: int, n: int, k: int, threads: int) ->
         torch.set_num_threads(before)
 
 
+def _within_one_bf16_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: Any) -> None:
+    """y (bf16) is the exact product rounded once to bf16: within half a bf16 step (2^-9
+    relative) of the fp32 sum, plus the fp32 sum's own rounding (~1e-6 of the sum of |terms|)."""
+    xf, wf = x.float(), w.float()
+    exact = F.linear(xf, wf, None if b is None else b.float())
+    slack = exact.abs() * 2.0**-8 + 1e-5 * (xf.abs() @ wf.abs().T + 1e-30)
+    assert y.dtype == torch.bfloat16 and bool(((y.float() - exact).abs() <= slack).all())
+
+
+@pytest.mark.skipif(
+    not has_skinny_bf16, reason=f"skinny kernel unavailable: {skinny_reason(torch.bfloat16)}"
+)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45])
+@pytest.mark.parametrize(("n", "k"), [(40, 24), (16, 8), (3, 130)])
+def test_skinny_bf16_linear_matches_dense(rows: int, n: int, k: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (b, None):
+            y = skinny_linear(x, skinny_pack(w), n, bias)
+            assert y.shape == (rows, n)
+            _within_one_bf16_rounding(y, x, w, bias)
+            # against oneDNN's bf16 (also fp32 sums rounded once): the same but for the order of
+            # the sum, so at most one bf16 step apart
+            torch.testing.assert_close(y, F.linear(x, w, bias), atol=2e-2, rtol=2**-7)
+        x3 = torch.randn(1, rows, 2 * k, generator=gen).bfloat16()[..., ::2]
+        layer = PackedLinear(w, b)
+        assert layer.skinny_weight is not None
+        _within_one_bf16_rounding(layer(x3), x3, w, b)
+        assert skinny_linear(torch.zeros(0, k).bfloat16(), skinny_pack(w), n, None).shape == (0, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
 def test_skinny_linear_rejects_what_does_not_fit() -> None:
     w, x = torch.randn(40, 24), torch.randn(3, 24)
@@ -149,6 +207,14 @@ def test_skinny_linear_rejects_what_does_not_fit() -> None:
         skinny_linear(x, panels, 40, torch.randn(39))
     with pytest.raises(ValueError, match="CPU"):
         skinny_linear(torch.empty(3, 24, device="meta"), panels, 40, None)
+    if has_skinny_bf16:  # bf16 panels want bf16 x and bias, and K to match
+        pb = skinny_pack(w.bfloat16())
+        with pytest.raises(ValueError, match="panels"):
+            skinny_linear(x, pb, 40, None)
+        with pytest.raises(ValueError, match="panels"):
+            skinny_linear(torch.randn(3, 26).bfloat16(), pb, 40, None)
+        with pytest.raises(ValueError, match="bias"):
+            skinny_linear(x.bfloat16(), pb, 40, torch.randn(40))
     # the layer never hands the kernel an input of the wrong width (oneDNN refuses it instead)
     with pytest.raises(RuntimeError):
         PackedLinear(w, None)(torch.randn(3, 25))

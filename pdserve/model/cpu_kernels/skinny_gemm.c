@@ -20,6 +20,14 @@
  * [16p, 16p + 16) of y, as panel[p][k][j] = W[16p + j][k], zero for 16p + j >= N; panels are
  * consecutive. Sums run over k in order in fp32 (results differ from oneDNN's by rounding only,
  * ~1e-6 relative).
+ *
+ * bf16 (pd_skinny_gemm_bf16, only where the target has AVX512_BF16): the same stream, with the
+ * weight at half the bytes. VDPBF16PS multiplies pairs of bf16 and adds both products to one fp32
+ * lane, so a panel line holds 16 columns x 2 consecutive k: panel[p][kk][j][t] = W[16p + j][2kk +
+ * t] (K even), and row r's pair (x[r][2kk], x[r][2kk + 1]) is broadcast as one 32-bit word. Sums
+ * are fp32 (bias added in fp32 first), rounded to bf16 once at the end (round to nearest even),
+ * as oneDNN does; the order of the sum differs, so an output may differ from oneDNN's by a bf16
+ * rounding step. VDPBF16PS treats bf16 denormal inputs as zero (Intel SDM, VDPBF16PS).
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +38,14 @@
 
 int pd_skinny_available(void) {
 #if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pd_skinny_bf16_available(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return 1;
 #else
     return 0;
@@ -81,6 +97,74 @@ int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const 
         for (int64_t m0 = 0; m0 < m; m0 += MR) {
             const int mr = m - m0 < MR ? (int)(m - m0) : MR;
             panel_block(x + m0 * ldx, ldx, mr, panel, k, pb, y + m0 * ldy + p * PANEL, ldy, ncols);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)y; (void)ldy;
+    (void)num_threads;
+    return -1;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* bf16 [16] (masked to ncols) -> fp32 lanes: a bf16 is the top half of an fp32 */
+static inline __m512 bf16_to_f32(__mmask16 cols, const uint16_t *src) {
+    const __m256i h = _mm256_maskz_loadu_epi16(cols, src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline int32_t pair_at(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* the bf16 twin of panel_block: k2 = K / 2 pair steps, panel [k2][16][2] bf16 */
+static void panel_block_bf16(const uint16_t *x, int64_t ldx, int mr, const uint16_t *panel,
+                             int64_t k2, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                             int ncols) {
+    const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
+    const __m512 b = bias ? bf16_to_f32(cols, bias) : _mm512_setzero_ps();
+#define DECL(r) __m512 acc##r = b; const uint16_t *x##r = x + (r < mr ? r : 0) * ldx;
+    REP16(DECL)
+#undef DECL
+    for (int64_t kk = 0; kk < k2; kk++) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(panel + kk * 2 * PANEL));
+        _mm_prefetch((const char *)(panel + (kk + PF_LINES) * 2 * PANEL), _MM_HINT_T1);
+#define DOT(r) \
+    acc##r = _mm512_dpbf16_ps(acc##r, (__m512bh)_mm512_set1_epi32(pair_at(x##r + 2 * kk)), w);
+        REP16(DOT)
+#undef DOT
+    }
+#define STORE(r)                                                                              \
+    if (r < mr)                                                                               \
+        _mm256_mask_storeu_epi16(y + (int64_t)(r) * ldy, cols, (__m256i)_mm512_cvtneps_pbh(acc##r));
+    REP16(STORE)
+#undef STORE
+}
+#endif
+
+/* The bf16 twin of pd_skinny_gemm_f32: x, packed, bias and y hold bf16 (as uint16_t); k even,
+ * packed as described at the top. Returns 0, or -1 where the kernel is not built (no
+ * AVX512_BF16) or k is odd. */
+int pd_skinny_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                        const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                        int64_t ldy, int num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (k % 2) return -1;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    (void)num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t left = n - p * PANEL;
+        const int ncols = left < PANEL ? (int)left : PANEL;
+        const uint16_t *panel = packed + p * k * PANEL;
+        const uint16_t *pb = bias ? bias + p * PANEL : NULL;
+        for (int64_t m0 = 0; m0 < m; m0 += MR) {
+            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+            panel_block_bf16(x + m0 * ldx, ldx, mr, panel, k / 2, pb, y + m0 * ldy + p * PANEL,
+                             ldy, ncols);
         }
     }
     return 0;
