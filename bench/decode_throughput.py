@@ -25,6 +25,11 @@ Usage::
     .venv/bin/python bench/decode_throughput.py --dtypes bfloat16 --batch-sizes 1,8 --no-hf
 
 Prints a markdown table (for docs/benchmarks.md); ``--json`` also writes the numbers.
+``--profile-steps N`` also prints a ``torch.profiler`` table of N decode steps per point (where a
+step's time goes)::
+
+    .venv/bin/python bench/decode_throughput.py --dtypes bfloat16 --batch-sizes 16 --threads 1 \
+        --prompt-len 256 --compile --no-hf --profile-steps 10
 """
 
 from __future__ import annotations
@@ -79,8 +84,14 @@ def engine_step_ms(
     steps: int,
     config: EngineConfig,
     temperature: float = 0.0,
+    profile_steps: int = 0,
 ) -> float:
-    """Median wall ms of DecodeEngine.step() while all len(prompts) sequences decode."""
+    """Median wall ms of DecodeEngine.step() while all len(prompts) sequences decode.
+
+    ``profile_steps`` > 0: after the timed steps, run that many more under ``torch.profiler`` and
+    print its table of ops by self CPU time (ms per step = the total / ``profile_steps``). Work
+    outside torch's ops (ctypes calls such as the eager LM head's skinny kernel, Python) shows
+    only in the step's wall time, not in the table."""
     engine = DecodeEngine(config, runner=runner)
     first: set[str] = set()
     done: list[str] = []
@@ -94,7 +105,9 @@ def engine_step_ms(
 
         return put
 
-    sp = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=temperature, max_tokens=steps + 2 + profile_steps, ignore_eos=True
+    )
     for i, p in enumerate(prompts):
         engine.add_request(
             DecodeRequest(f"b{i}", tuple(p), sp, prefill_locally=True), sink(f"b{i}")
@@ -108,6 +121,14 @@ def engine_step_ms(
         n = engine.step()
         times.append(time.perf_counter() - t0)
         assert n == len(prompts), f"expected a full batch of {len(prompts)}, got {n}"
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profile_steps):
+                engine.step()
+        print(f"# profile of {profile_steps} decode steps, batch {len(prompts)}", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
     engine.run_until_idle()
     assert len(done) == len(prompts)
     engine.check_integrity()
@@ -201,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.compile the engine's decoder, as `pdserve serve` does (no --enforce-eager)",
     )
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each point's timing, profile this many decode steps and print the table",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         tdt = getattr(torch, dtype)
         rate = matmul_gflops(tdt)
         print(f"# {dtype}: matmul {rate:.0f} GFLOP/s", flush=True)
-        max_len = args.prompt_len + args.decode_steps + 4
+        max_len = args.prompt_len + args.decode_steps + args.profile_steps + 4
         blocks = max(batches) * (-(-max_len // 16)) + 8
         config = EngineConfig(
             load=LoadConfig(model=args.model, dtype=dtype, torch_compile=args.compile),
@@ -233,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             e_ms = best_of(
                 args.repeats, engine_step_ms, runner, prompts, steps, config, args.temperature
             )
+            if args.profile_steps:
+                engine_step_ms(runner, prompts, steps, config, args.temperature, args.profile_steps)
             h_ms = None if hf is None else best_of(args.repeats, hf_step_ms, hf, prompts, steps)
             ctx = args.prompt_len + 1 + args.decode_steps / 2
             f_ms, bound = decode_step_floor_ms(cost, b, ctx, bw, rate)

@@ -105,8 +105,8 @@ class OfflineEngine:
         """Generate for every prompt (token ids); outputs in prompt order. ``params``: one for all
         or one per prompt. Raises EngineError(INVALID_ARGUMENT) naming the prompt (empty, a token
         id outside the vocabulary, no room under max_model_len, ``n`` > 1, a bad sampling value, a
-        structured-output spec that does not compile), ValueError when the counts of prompts and params differ, RuntimeError when the KV cache
-        cannot hold a request or a step fails."""
+        structured-output spec that does not compile), ValueError when the counts of prompts and
+        params differ, RuntimeError when the KV cache cannot hold a request or a step fails."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
