@@ -58,9 +58,17 @@ int pd_skinny_bf16_available(void) {
 #define REP16(X) \
     X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
-/* rows [0, mr) of x (row stride ldx) times one panel -> the panel's ncols columns of y */
-static void panel_block(const float *x, int64_t ldx, int mr, const float *panel, int64_t k,
-                        const float *bias, float *y, int64_t ldy, int ncols) {
+/* One register block: rows [0, mr) of x (row stride ldx, in elements) times one panel -> the
+ * panel's ncols columns of y (row stride ldy); bias: the panel's ncols entries or NULL. Both
+ * dtypes' blocks share this signature, so one driver (run_panels) serves both. */
+typedef void (*block_fn)(const void *x, int64_t ldx, int mr, const void *panel, int64_t k,
+                         const void *bias, void *y, int64_t ldy, int ncols);
+
+/* fp32: panel [k][16] floats */
+static void panel_block(const void *xv, int64_t ldx, int mr, const void *pv, int64_t k,
+                        const void *bv, void *yv, int64_t ldy, int ncols) {
+    const float *x = xv, *panel = pv, *bias = bv;
+    float *y = yv;
     const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
     /* rows past mr alias row 0 (their sums are computed and dropped): one unrolled loop body */
@@ -78,6 +86,29 @@ static void panel_block(const float *x, int64_t ldx, int mr, const float *panel,
     REP16(STORE)
 #undef STORE
 }
+
+/* Every panel (split over num_threads OpenMP threads) times every 16-row block of x, through
+ * `block`; es: bytes per element. A panel holds k * PANEL elements in either dtype. */
+static void run_panels(block_fn block, int64_t es, const void *x, int64_t m, int64_t k,
+                       int64_t ldx, const void *packed, int64_t n, const void *bias, void *y,
+                       int64_t ldy, int num_threads) {
+    const char *xc = x, *pc = packed, *bc = bias;
+    char *yc = y;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    (void)num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t left = n - p * PANEL;
+        const int ncols = left < PANEL ? (int)left : PANEL;
+        const char *panel = pc + p * k * PANEL * es;
+        const char *pb = bc ? bc + p * PANEL * es : NULL;
+        for (int64_t m0 = 0; m0 < m; m0 += MR) {
+            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+            block(xc + m0 * ldx * es, ldx, mr, panel, k, pb, yc + (m0 * ldy + p * PANEL) * es,
+                  ldy, ncols);
+        }
+    }
+}
 #endif
 
 /* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T + bias, W packed as above;
@@ -86,19 +117,7 @@ static void panel_block(const float *x, int64_t ldx, int mr, const float *panel,
 int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
                        int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
 #if defined(__AVX512F__)
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    (void)num_threads;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t left = n - p * PANEL;
-        const int ncols = left < PANEL ? (int)left : PANEL;
-        const float *panel = packed + p * k * PANEL;
-        const float *pb = bias ? bias + p * PANEL : NULL;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            panel_block(x + m0 * ldx, ldx, mr, panel, k, pb, y + m0 * ldy + p * PANEL, ldy, ncols);
-        }
-    }
+    run_panels(panel_block, sizeof(float), x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)y; (void)ldy;
@@ -120,10 +139,12 @@ static inline int32_t pair_at(const uint16_t *p) {
     return v;
 }
 
-/* the bf16 twin of panel_block: k2 = K / 2 pair steps, panel [k2][16][2] bf16 */
-static void panel_block_bf16(const uint16_t *x, int64_t ldx, int mr, const uint16_t *panel,
-                             int64_t k2, const uint16_t *bias, uint16_t *y, int64_t ldy,
-                             int ncols) {
+/* the bf16 twin of panel_block: panel [k / 2][16][2] bf16, k / 2 pair steps */
+static void panel_block_bf16(const void *xv, int64_t ldx, int mr, const void *pv, int64_t k,
+                             const void *bv, void *yv, int64_t ldy, int ncols) {
+    const uint16_t *x = xv, *panel = pv, *bias = bv;
+    uint16_t *y = yv;
+    const int64_t k2 = k / 2;
     const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
     const __m512 b = bias ? bf16_to_f32(cols, bias) : _mm512_setzero_ps();
 #define DECL(r) __m512 acc##r = b; const uint16_t *x##r = x + (r < mr ? r : 0) * ldx;
@@ -153,20 +174,8 @@ int pd_skinny_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                         int64_t ldy, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if (k % 2) return -1;
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    (void)num_threads;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t left = n - p * PANEL;
-        const int ncols = left < PANEL ? (int)left : PANEL;
-        const uint16_t *panel = packed + p * k * PANEL;
-        const uint16_t *pb = bias ? bias + p * PANEL : NULL;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            panel_block_bf16(x + m0 * ldx, ldx, mr, panel, k / 2, pb, y + m0 * ldy + p * PANEL,
-                             ldy, ncols);
-        }
-    }
+    run_panels(panel_block_bf16, sizeof(uint16_t), x, m, k, ldx, packed, n, bias, y, ldy,
+               num_threads);
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)y; (void)ldy;
