@@ -143,13 +143,13 @@ def test_every_metric_matches_known_delays(
     requests = _requests("agbhcidjef")
     # NOTE: this machine is shared; a run in which the OS delayed a chunk by more than TOL_MS
     # (the server woke late, or the bytes reached the client late) measures the machine, not the
-    # benchmark, and is repeated: the first undisturbed attempt is checked, else the one whose
-    # server woke least late (each attempt takes ~0.4 s). On a saturated machine every attempt
-    # lags by a scheduler slice (~3 ms with both cores busy elsewhere); the tolerance is then
-    # twice the worst wake-up lateness seen by the fake server and by a probe on the client's
-    # event loop (a wake-up on each side), measures of the machine taken without the
-    # benchmark's code. A systematic error in the benchmark lags every
-    # chunk on the client side only, and still fails.
+    # benchmark, and is repeated: the first undisturbed attempt is checked, else the attempt with
+    # the least wake-up lateness (each attempt takes ~0.4 s). Lateness is the worst seen by the
+    # fake server and by a probe on the client's event loop, measures of the machine taken
+    # without the benchmark's code. On a saturated machine every attempt lags by a scheduler
+    # slice (~3 ms with both cores busy elsewhere); the tolerance is then twice that lateness (a
+    # wake-up on each side). A systematic error in the benchmark lags every chunk on the client
+    # side only, and still fails.
     attempts = []
     for _attempt in range(MAX_ATTEMPTS):
         before = len(server.log())
