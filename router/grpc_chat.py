@@ -25,15 +25,39 @@ class ChatInputs:
     controls: dict[str, Any]
 
 
-def _json(text: str, param: str, kind: type) -> Any:
+_KIND_NAMES = {list: "array", dict: "object", str: "string"}
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type (for messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return _KIND_NAMES.get(type(value), type(value).__name__)
+
+
+def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = None) -> Any:
+    """``text`` decoded as JSON of one of ``kinds`` (each element of type ``items`` when given).
+    Raises BadRequest naming ``param``."""
     if not text:
         return None
     try:
         value = json.loads(text)
     except ValueError as e:
         raise BadRequest(f"'{param}' is not valid JSON: {e}", param=param) from None
-    if not isinstance(value, kind):
-        raise BadRequest(f"'{param}' must be a JSON {kind.__name__}", param=param)
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        want = " or ".join(_KIND_NAMES[k] for k in kinds)
+        raise BadRequest(f"'{param}' must be a JSON {want} (got {_json_type(value)})", param=param)
+    if items is not None:
+        for i, item in enumerate(value):
+            if not isinstance(item, items):
+                raise BadRequest(
+                    f"'{param}'[{i}] must be a JSON {_KIND_NAMES[items]} (got {_json_type(item)})",
+                    param=f"{param}.{i}",
+                )
     return value
 
 
@@ -47,7 +71,7 @@ def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
                 param=f"chat.messages.{i}.role",
             )
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
-        calls = _json(m.tool_calls_json, f"chat.messages.{i}.tool_calls_json", list)
+        calls = _json(m.tool_calls_json, f"chat.messages.{i}.tool_calls_json", (list,), dict)
         if calls:
             msg["tool_calls"] = calls
         if m.tool_call_id:
@@ -55,10 +79,9 @@ def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
         if m.name:
             msg["name"] = m.name
         messages.append(msg)
-    choice_text = chat.tool_choice_json
-    choice = _json(choice_text, "chat.tool_choice_json", (str, dict)) if choice_text else None  # type: ignore[arg-type]
+    choice = _json(chat.tool_choice_json, "chat.tool_choice_json", (str, dict))
     tools = tool_setup(
-        _json(chat.tools_json, "chat.tools_json", list),
+        _json(chat.tools_json, "chat.tools_json", (list,)),
         choice,
         chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None,
         tool_parser,
@@ -69,9 +92,9 @@ def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
         ),
         "continue_final_message": chat.continue_final_message,
         "chat_template_kwargs": _json(
-            chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict
+            chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json", (dict,)
         ),
-        "documents": _json(chat.documents_json, "chat.documents_json", list),
+        "documents": _json(chat.documents_json, "chat.documents_json", (list,), dict),
         "tools": list(tools.tools) if tools else None,
     }
     return ChatInputs(messages, tools, controls)
