@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pdserve.structured.grammar import GrammarCompiler
+from pdserve.structured.grammar import GrammarCompiler, allocate_bitmask
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.tokenizer import Tokenizer, TokenizerError
 from router.errors import BadRequest
 
 _T = TypeVar("_T")
+
+# Budget for a spec's first token mask, measured in the router (ms). Specs within
+# pdserve.structured.limits take ~10 ms at most; one over this budget would cost every decode
+# step about as much, stalling the other sequences of its batch, so it is refused.
+MAX_FIRST_MASK_MS = 50.0
 
 
 def check_text(text: str, param: str) -> None:
@@ -44,14 +50,21 @@ class PromptPreparer:
     """Tokenizes prompts for the gateways on one thread of its own.
 
     ``chat_template``: a Jinja template used instead of the model's (``--chat-template``).
+    ``max_mask_ms``: the budget for a structured-output spec's first token mask (ms).
 
     NOTE: one thread, so the (Rust) tokenizer is never used by two preparations at once.
     Errors are BadRequest naming the request field (``param``) the prompt came from.
     """
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None = None,
+        max_mask_ms: float = MAX_FIRST_MASK_MS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.max_mask_ms = max_mask_ms
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._grammar: GrammarCompiler | None = None  # built on the first structured request
 
@@ -122,7 +135,8 @@ class PromptPreparer:
 
     async def check_structured(self, spec: StructuredOutputSpec) -> None:
         """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
-        cannot compile is a 400 naming its field before any worker sees it. Raises BadRequest."""
+        cannot compile, or whose first token mask takes longer than ``max_mask_ms``, is a 400
+        naming its field before any worker sees it. Raises BadRequest."""
         try:
             await self._run(self._compile, spec)
         except StructuredOutputError as e:
@@ -132,7 +146,17 @@ class PromptPreparer:
         if self._grammar is None:  # only ever built on the one thread
             tok = self.tokenizer
             self._grammar = GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
-        self._grammar.compile(spec)
+        matcher = self._grammar.matcher(spec)
+        mask = allocate_bitmask(1, self._grammar.vocab_size)
+        start = time.perf_counter()
+        matcher.fill_bitmask(mask, 0)
+        ms = (time.perf_counter() - start) * 1e3
+        if ms > self.max_mask_ms:
+            raise StructuredOutputError(
+                spec.field,
+                f"'{spec.field}' is too expensive to enforce: its first token mask took "
+                f"{ms:.0f} ms (the limit is {self.max_mask_ms:g} ms per token)",
+            )
 
     def close(self) -> None:
         """Stop the thread once queued work is done."""

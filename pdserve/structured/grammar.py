@@ -13,6 +13,8 @@ Two objects:
   matcher over the token the prefill worker sampled, and a re-prefill after preemption or
   migration rebuilds it from the tokens generated so far (:meth:`GrammarCompiler.matcher`).
 
+Specs whose per-token cost would be unbounded (huge counted repetitions, too many choices or
+schema properties) are refused first by :func:`~pdserve.structured.limits.check_spec_limits`.
 Compile time is bounded by llguidance's parser limits (:data:`INITIAL_LEXER_FUEL`, :data:`MAX_GRAMMAR_SIZE`: lexer fuel for
 building the regex automata, a cap on grammar size) and the spec size
 (:data:`~pdserve.structured.spec.MAX_SPEC_BYTES`); a spec that exceeds them fails to compile
@@ -41,6 +43,7 @@ import llguidance.hf
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
+from pdserve.structured.limits import check_spec_limits
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -263,6 +266,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return hit
         start = time.perf_counter()
+        check_spec_limits(spec)
         grammar = _grammar_text(spec)
         ll = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if ll.is_error():

@@ -1,0 +1,43 @@
+"""Per-request limits enforced by the router before any worker sees the request (QA D4, D5, D7):
+each is an OpenAI-style 400 naming the field and the limit."""
+
+from __future__ import annotations
+
+import pytest
+from test_http_gateway import MSGS, assert_openai_error, env
+
+from pdserve.structured.limits import MAX_CHOICES, MAX_REGEX_SIZE
+from pdserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("guided_regex", "a{1000000}", MAX_REGEX_SIZE),
+        ("guided_choice", ["a"] * 2500, MAX_CHOICES),
+        ("guided_json", {"type": "string", "pattern": "a{99999}"}, MAX_REGEX_SIZE),
+        ("structured_outputs", {"regex": "(ab){99999}"}, MAX_REGEX_SIZE),
+    ],
+)
+async def test_costly_structured_output_is_refused_at_the_router(
+    tokenizer: Tokenizer, path: str, field: str, value: object, limit: int
+) -> None:
+    async with env(tokenizer) as e:
+        prompt = {"messages": MSGS} if "chat" in path else {"prompt": "hi"}
+        r = await e.client.post(path, json={**prompt, field: value, "max_tokens": 4})
+        assert str(limit) in assert_openai_error(r, 400, field)["message"]
+        assert not e.cluster.decodes[0].requests and not e.cluster.prefills[0].requests
+
+
+async def test_a_spec_over_the_mask_budget_is_refused(tokenizer: Tokenizer) -> None:
+    """The router times the spec's first token mask; over budget is a 400 naming the field."""
+    async with env(tokenizer) as e:
+        body = {"prompt": "hi", "guided_regex": "[0-9]+", "max_tokens": 4}
+        r = await e.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        e.router.prompts.max_mask_ms = 0.0
+        r = await e.client.post("/v1/completions", json=body)
+        assert "ms per token" in assert_openai_error(r, 400, "guided_regex")["message"]
