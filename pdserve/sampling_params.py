@@ -2,7 +2,8 @@
 
 Ranges follow the OpenAI API reference and vLLM's SamplingParams: temperature in [0, 2] (0 =
 greedy; OpenAI's documented range), top_p in (0, 1], top_k 0/-1 = off, min_p in [0, 1],
-presence/frequency penalties in [-2, 2], repetition_penalty > 0 (1 = off), top_logprobs in
+presence/frequency penalties in [-2, 2], repetition_penalty in [1e-4, 1e4] (1 = off; vLLM only
+asks > 0, but float32 logits overflow past this range), top_logprobs in
 [0, 20], min_tokens <= max_tokens, logit_bias values in [-100, 100] (OpenAI), prompt_logprobs in
 [0, 20] (vLLM's extension; None = off); at most 64 stop strings of at most 1024 characters and
 1024 stop token ids. Every float must be finite (JSON's bare ``NaN``/``Infinity``
@@ -30,6 +31,11 @@ class SamplingError(ValueError):
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # largest value of a protobuf int32 field
 MAX_TEMPERATURE = 2.0  # OpenAI API reference: temperature is between 0 and 2
+# repetition_penalty divides (or multiplies) logits: outside this range float32 logits overflow
+# or underflow (1e39 is inf in float32, 1e-50 is 0.0), and within it the effect has long
+# saturated (HF/vLLM users pass 1.0-2.0).
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
 # Hostile-input bounds (issue 12). The router matches stop strings against every output token's
 # text, so their number and length bound per-token work; OpenAI allows 4 stop strings, vLLM has no
 # cap, these leave room for any real use.
@@ -105,8 +111,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2], got {v}")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                f"got {self.repetition_penalty:g}",
+            )
         if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
             bad("max_tokens", f"must be in [1, {MAX_INT32}], got {self.max_tokens}")
         if not 0 <= self.min_tokens <= MAX_INT32:

@@ -41,3 +41,19 @@ async def test_a_spec_over_the_mask_budget_is_refused(tokenizer: Tokenizer) -> N
         e.router.prompts.max_mask_ms = 0.0
         r = await e.client.post("/v1/completions", json=body)
         assert "ms per token" in assert_openai_error(r, 400, "guided_regex")["message"]
+
+
+@pytest.mark.parametrize("value", [1e39, 3.5e38, 1e5, 1e-50, 1e-40, 0.0, -1.0])
+async def test_repetition_penalty_out_of_range_names_the_limit(
+    tokenizer: Tokenizer, value: float
+) -> None:
+    """QA D7.1: 1e39 was 'got inf' from the worker after a prefill; 1e-50 acted as no penalty."""
+    async with env(tokenizer) as e:
+        body = {"prompt": "hi", "repetition_penalty": value, "max_tokens": 4}
+        r = await e.client.post("/v1/completions", json=body)
+        msg = assert_openai_error(r, 400, "repetition_penalty")["message"]
+        assert "[0.0001, 10000]" in msg and "inf" not in msg
+        assert not e.cluster.decodes[0].requests
+        for ok in (1e-4, 1.3, 1e4):
+            r = await e.client.post("/v1/completions", json={**body, "repetition_penalty": ok})
+            assert r.status_code == 200, r.text
