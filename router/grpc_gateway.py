@@ -62,11 +62,17 @@ class GenerationService(gpb_grpc.GenerationServicer):
         """Token ids of the request's input, prepared off the event loop (router.prompts)."""
         kind = request.WhichOneof("input")
         if kind == "text":
-            return await self.router.prompts.text(request.text, param="text")
+            return await self.router.prompts.text(
+                request.text, param="text", max_model_len=self.router.max_model_len
+            )
         if kind == "chat":
             assert chat is not None
             return await self.router.prompts.chat(
-                chat.messages, param="chat", control_prefix="chat.", **chat.controls
+                chat.messages,
+                param="chat",
+                control_prefix="chat.",
+                max_model_len=self.router.max_model_len,
+                **chat.controls,
             )
         if kind == "token_ids":
             return list(request.token_ids.ids)

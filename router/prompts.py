@@ -6,6 +6,15 @@ structured-output specs against the tokenizer (a grammar compile). The work runs
 thread: it takes milliseconds per prompt but seconds for a multi-MB one (and about a second for
 the first structured request, which wraps the tokenizer for the grammar engine), which must never
 stall the event loop (health checks, other streams).
+
+A text too long to fit in ``max_model_len`` tokens whatever its content is refused before it is
+tokenized (QA D5: a 12 MB prompt took 9.5 s to tokenize, holding up every other request, before
+its 400): no token covers more than the vocabulary's longest token (``max_token_bytes``, 81 for
+SmolLM2), so a text of more than ``max_model_len * max_token_bytes`` bytes has more than
+``max_model_len`` tokens. Without a normalizer (byte-level BPE) that bound is exact; a
+normalizer may shorten the text first (NFKC: "ﬁ" -> "fi"), so then it is taken
+:data:`NORMALIZER_SLACK` times. No prompt that fits is refused; one that slips under the bound is
+tokenized and refused by the exact length check as before.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any, TypeVar
 from pdserve.structured.grammar import GrammarCompiler, allocate_bitmask
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.tokenizer import Tokenizer, TokenizerError
-from router.errors import BadRequest
+from router.errors import BadRequest, ContextLengthExceeded
 
 _T = TypeVar("_T")
 
@@ -28,6 +37,8 @@ _T = TypeVar("_T")
 # pdserve.structured.limits take ~10 ms at most; one over this budget would cost every decode
 # step about as much, stalling the other sequences of its batch, so it is refused.
 MAX_FIRST_MASK_MS = 50.0
+# Factor on the byte bound for tokenizers with a normalizer (which may shrink the text).
+NORMALIZER_SLACK = 4
 
 
 def check_text(text: str, param: str) -> None:
@@ -67,18 +78,61 @@ class PromptPreparer:
         self.max_mask_ms = max_mask_ms
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._grammar: GrammarCompiler | None = None  # built on the first structured request
+        self._bytes_per_token: int | None = None  # bound on input bytes one token covers
 
     async def _run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
-    async def text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a plain-text prompt (no chat template)."""
+    async def text(
+        self,
+        text: str,
+        param: str,
+        add_special_tokens: bool = True,
+        max_model_len: int | None = None,
+    ) -> list[int]:
+        """Token ids of a plain-text prompt (no chat template). With ``max_model_len``, a text
+        that cannot fit in that many tokens is a ContextLengthExceeded (400) naming ``param``,
+        raised without tokenizing it."""
         check_text(text, param)
         try:
-            return await self._run(self.tokenizer.encode, text, add_special_tokens)
+            return await self._run(self._encode, text, add_special_tokens, max_model_len, param)
         except TokenizerError as e:
             raise BadRequest(str(e), param=param) from None
+
+    def _encode(
+        self, text: str, add_special_tokens: bool, max_model_len: int | None, param: str
+    ) -> list[int]:
+        if max_model_len is not None:
+            self._check_length(text, max_model_len, param)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def max_prompt_bytes(self, max_model_len: int) -> int:
+        """UTF-8 bytes above which no text fits in ``max_model_len`` tokens (see the module
+        docstring). The first call scans the vocabulary (~0.3 s for 49k tokens)."""
+        if self._bytes_per_token is None:
+            hf = self.tokenizer.hf
+            longest = 1
+            for i in range(len(hf)):  # the token's string and its text, whichever is longer
+                piece = hf.convert_ids_to_tokens(i) or ""
+                text = hf.decode([i], clean_up_tokenization_spaces=False)
+                longest = max(longest, len(piece.encode()), len(text.encode()))
+            slack = 1 if hf.backend_tokenizer.normalizer is None else NORMALIZER_SLACK
+            self._bytes_per_token = longest * slack
+        return max_model_len * self._bytes_per_token
+
+    def _check_length(self, text: str, max_model_len: int, param: str) -> None:
+        bound = self.max_prompt_bytes(max_model_len)
+        if len(text) <= bound // 4:  # at most 4 bytes a character
+            return
+        size = len(text) if len(text) > bound else len(text.encode("utf-8", "surrogatepass"))
+        if size > bound:
+            raise ContextLengthExceeded(
+                f"'{param}' is {size} bytes long, more than any prompt within this model's "
+                f"maximum context length (--max-model-len) of {max_model_len} tokens can be "
+                f"(at most {bound} bytes with this tokenizer); shorten the prompt",
+                param=param,
+            )
 
     async def render_chat(
         self,
@@ -101,13 +155,19 @@ class PromptPreparer:
         messages: Sequence[Mapping[str, Any]],
         param: str,
         control_prefix: str = "",
+        max_model_len: int | None = None,
         **controls: Any,
     ) -> list[int]:
         """Token ids of a conversation with the chat template applied (by default with the
-        assistant turn opened); arguments as :meth:`render_chat`."""
-        return await self._template(
-            self.tokenizer.apply_chat_template, messages, param, control_prefix, controls
-        )
+        assistant turn opened); arguments as :meth:`render_chat`. With ``max_model_len``, a
+        rendered prompt that cannot fit is refused before it is tokenized (as :meth:`text`)."""
+
+        def apply(conversation: list[dict[str, Any]], **kw: Any) -> list[int]:
+            text = self.tokenizer.render_chat(conversation, **kw)
+            # the template writes any BOS itself (as Tokenizer.apply_chat_template)
+            return self._encode(text, False, max_model_len, param)
+
+        return await self._template(apply, messages, param, control_prefix, controls)
 
     async def _template(
         self,

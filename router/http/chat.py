@@ -45,6 +45,7 @@ async def chat_completion(
     prompt = await router.prompts.chat(
         conversation,
         param="messages",
+        max_model_len=router.max_model_len,
         add_generation_prompt=body.add_generation_prompt,
         tools=list(tools.tools) if tools else None,
         **body.template_controls(),

@@ -36,7 +36,10 @@ from router.serving import ChoiceDelta, RequestStream, Router
 async def _prepare(router: Router, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
     """(token ids, text to echo) of one completions prompt."""
     if isinstance(prompt, str):
-        return await router.prompts.text(prompt, param="prompt"), prompt
+        return (
+            await router.prompts.text(prompt, param="prompt", max_model_len=router.max_model_len),
+            prompt,
+        )
     router.check_token_ids(prompt, "prompt")  # before decoding them for echo
     return prompt, (await router.prompts.decode(prompt) if echo else "")
 

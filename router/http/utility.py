@@ -101,7 +101,12 @@ def add_utility_routes(
         else:
             text = body.prompt or ""
             special = body.add_special_tokens is not False
-        ids = await router.prompts.text(text, param="prompt", add_special_tokens=special)
+        ids = await router.prompts.text(
+            text,
+            param="prompt" if body.messages is None else "messages",
+            add_special_tokens=special,
+            max_model_len=router.max_model_len,
+        )
         strs = (
             [router.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
             if body.return_token_strs

@@ -30,6 +30,17 @@ class RecordingTokenizer:
         self.threads.append(threading.current_thread().name)
         return self.inner.decode(ids, skip_special_tokens)
 
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:  # not recorded: the encode of its text is
+        if any(m["role"] == "tool" for m in messages):
+            raise TokenizerError("the chat template does not accept a 'tool' message")
+        return self.inner.render_chat(messages, add_generation_prompt, **kw)
+
+    @property
+    def hf(self) -> Any:
+        return self.inner.hf
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
     ) -> list[int]:

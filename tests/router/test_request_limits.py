@@ -8,6 +8,7 @@ from test_http_gateway import MSGS, assert_openai_error, env
 
 from pdserve.structured.limits import MAX_CHOICES, MAX_REGEX_SIZE
 from pdserve.tokenizer import Tokenizer
+from router.errors import BadRequest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,3 +58,51 @@ async def test_repetition_penalty_out_of_range_names_the_limit(
         for ok in (1e-4, 1.3, 1e4):
             r = await e.client.post("/v1/completions", json={**body, "repetition_penalty": ok})
             assert r.status_code == 200, r.text
+
+
+# -- prompts too long to fit, refused before tokenizing (QA D5) --------------------------------
+
+
+async def test_the_length_precheck_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer) -> None:
+    from router.prompts import PromptPreparer
+
+    prompts = PromptPreparer(tokenizer)
+    try:
+        max_len = 64
+        bound = prompts.max_prompt_bytes(max_len)
+        hf = tokenizer.hf
+        longest = max(range(len(hf)), key=lambda i: len(hf.decode([i]).encode()))
+        texts = (
+            [hf.decode([longest]) * n for n in (max_len - 2, max_len, max_len + 1)]
+            + ["hello " * n for n in (10, bound // 6, bound // 6 + 1, bound)]
+            + ["é" * bound]
+        )
+        for text in texts:
+            try:
+                await prompts.text(text, param="prompt", max_model_len=max_len)
+            except BadRequest as e:  # refused before tokenizing: it truly did not fit
+                assert e.code == "context_length_exceeded" and e.param == "prompt"
+                assert len(tokenizer.encode(text)) > max_len
+    finally:
+        prompts.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+async def test_a_huge_prompt_is_refused_without_tokenizing_it(
+    tokenizer: Tokenizer, path: str
+) -> None:
+    from test_prompts import RecordingTokenizer
+
+    from router.prompts import PromptPreparer
+
+    async with env(tokenizer, max_model_len=512) as e:
+        rec = RecordingTokenizer(tokenizer)
+        e.router.prompts = PromptPreparer(rec)  # type: ignore[arg-type]
+        huge = "hello " * 2_000_000  # 12 MB: ~9.5 s to tokenize
+        field = "messages" if "chat" in path else "prompt"
+        prompt = {"messages": [{"role": "user", "content": huge}]} if "chat" in path else {}
+        r = await e.client.post(path, json={"prompt": huge, **prompt, "max_tokens": 4})
+        err = assert_openai_error(r, 400, field)
+        assert err["code"] == "context_length_exceeded" and "512 tokens" in err["message"]
+        assert "encode" not in str(rec.threads) and not rec.threads  # never tokenized
+        assert not e.cluster.decodes[0].requests
