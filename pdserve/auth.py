@@ -39,6 +39,21 @@ def secrets_match(presented: str | bytes | None, expected: str | bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
+def bearer_credentials(value: str | bytes | None) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer <token>`` value, or None for another scheme.
+
+    The scheme is matched case-insensitively (RFC 7235 section 2.1: ``bearer`` and ``BEARER``
+    are ``Bearer``); one or more spaces separate it from the token.
+    """
+    if value is None:
+        return None
+    raw = value.encode() if isinstance(value, str) else value
+    scheme, _, token = raw.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.lstrip(b" ")
+
+
 def _refuse(method: str, what: str) -> grpc.RpcMethodHandler:
     """A handler that ends any call with UNAUTHENTICATED (works for unary and streaming)."""
 
@@ -50,7 +65,8 @@ def _refuse(method: str, what: str) -> grpc.RpcMethodHandler:
 
 
 class SecretCheck(grpc.aio.ServerInterceptor):
-    """Refuses calls whose ``header`` metadata is not ``prefix + secret`` (UNAUTHENTICATED).
+    """Refuses calls whose ``header`` metadata is not ``prefix + secret`` (UNAUTHENTICATED);
+    with ``bearer``, ``Bearer <secret>`` with the scheme in any case (``prefix`` unused).
 
     ``protects(method)``: which full method names ('/pkg.Service/Method') need the secret
     (default: all). ``hint``: what the refusal message tells the caller to send.
@@ -62,13 +78,15 @@ class SecretCheck(grpc.aio.ServerInterceptor):
         secret: str,
         *,
         prefix: str = "",
+        bearer: bool = False,
         hint: str = "",
         protects: Callable[[str], bool] = lambda _method: True,
     ) -> None:
         if not secret:
             raise ValueError("the secret must be non-empty")
         self._header = header.lower()
-        self._expected = (prefix + secret).encode()
+        self._expected = (secret if bearer else prefix + secret).encode()
+        self._bearer = bearer
         self._protects = protects
         self._what = f"missing or incorrect {header} metadata" + (f": {hint}" if hint else "")
 
@@ -85,6 +103,8 @@ class SecretCheck(grpc.aio.ServerInterceptor):
             if key == self._header:
                 presented = value
                 break
+        if self._bearer:
+            presented = bearer_credentials(presented)
         if not secrets_match(presented, self._expected):
             return _refuse(method, self._what)
         return await continuation(handler_call_details)
@@ -113,7 +133,7 @@ def api_key_check(
         SecretCheck(
             API_KEY_HEADER,
             api_key,
-            prefix="Bearer ",
+            bearer=True,
             hint="send 'authorization: Bearer <key>' (the key given by --api-key)",
             protects=protects,
         )

@@ -104,6 +104,12 @@ async def test_api_key_needs_the_bearer_prefix_and_protects_only_chosen_methods(
                 (((API_KEY_HEADER, "k1"),), False),  # no "Bearer "
                 (((API_KEY_HEADER, "Bearer k2"),), False),
                 (((API_KEY_HEADER, "Bearer k1"),), True),
+                # RFC 7235: the scheme is case-insensitive (QA D8)
+                (((API_KEY_HEADER, "bearer k1"),), True),
+                (((API_KEY_HEADER, "BEARER  k1"),), True),
+                (((API_KEY_HEADER, "Basic k1"),), False),
+                (((API_KEY_HEADER, "bearerk1"),), False),
+                (((API_KEY_HEADER, "bearer k1 "),), False),
             ):
                 try:
                     await stub.Check(req, timeout=5, metadata=metadata)

@@ -11,13 +11,13 @@ every ``/v1`` and ``/admin`` route needs ``Authorization: Bearer <key>`` (401 ot
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import metrics
+from pdserve.auth import bearer_credentials, secrets_match
 from router.dashboard import add_operator_routes
 from router.errors import Unauthorized
 from router.http.admin import ClusterControl, admin_routes
@@ -68,13 +68,12 @@ def build_app(
     app.add_middleware(HeaderSizeLimit, max_bytes=max_header_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
     logprobs = Logprobs(router.tokenizer)  # token texts cached across requests
-    expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def require_key(request: Request) -> None:
-        if expected is None:
+        if not api_key:
             return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
+        got = bearer_credentials(request.headers.get("authorization"))
+        if not secrets_match(got, api_key):
             raise Unauthorized(
                 "missing or incorrect API key: send 'Authorization: Bearer <key>' "
                 "(the key given by --api-key / PDSERVE_API_KEY)"

@@ -235,7 +235,15 @@ async def test_api_key_is_enforced(tokenizer: Tokenizer) -> None:
         assert_openai_error(r, 401)
         r = await e.client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2"
+        for value in ("bearer sekret", "BEARER sekret"):  # RFC 7235: any case (QA D8)
+            r = await e.client.get("/v1/models", headers={"Authorization": value})
+            assert r.status_code == 200, value
+        for value in ("Basic sekret", "sekret", "bearer sekret2"):
+            assert_openai_error(
+                await e.client.get("/v1/models", headers={"Authorization": value}), 401
+            )
         assert (await e.client.get("/health")).status_code == 200
+        assert (await e.client.get("/metrics")).status_code == 200  # open, as vLLM's
 
 
 async def test_models_health_and_metrics(tokenizer: Tokenizer) -> None:
