@@ -8,6 +8,10 @@ round by round and keeping each one's best (the machine may be shared):
   threads, SmolLM2-135M's shapes by default (9 query / 3 KV heads, head_dim 64, block size 16),
   blocks shuffled through the pool. Prints both times, the ratio, and the K/V bytes the kernel
   reads per second. Every configuration is first checked against torch_ref (relative error).
+  Both run one layer's pool over and over, so its KV stays in the CPU's caches; the "cold"
+  column times the kernel over a different pool each call (as many as it takes to hold 4x
+  the last-level cache, at most ``--layers``), as a model's step reads each layer's KV from
+  memory.
 * **--step**: a whole decode step of a model (default the bundled SmolLM2) at ``--step-batch``
   sequences after ``--prompt-len``-token prompts, one ModelRunner per backend: median and best
   step time, and the part of the step spent in attention (wall time inside
@@ -53,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--contexts", default="256,1024,2048", help="decode context lengths")
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; best is kept")
+    p.add_argument(
+        "--layers", type=int, default=30, help="most pools the cold column cycles through"
+    )
     p.add_argument("--step", action="store_true", help="also time a whole model decode step")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--step-batch", type=int, default=16)
@@ -94,24 +101,51 @@ class DecodeLayer:
         self.batch, self.context, self.block_size = batch, context, bs
         self.scale = args.head_dim**-0.5
 
-    def runner(self, backend: AttentionBackend[Any]) -> Callable[[], torch.Tensor]:
+    def runner(self, backend: AttentionBackend[Any], layers: int = 1) -> Callable[[], torch.Tensor]:
+        """One layer's attention; with ``layers`` > 1 each call uses the next of that many pools
+        (the first is this layer's; the others hold copies of it), cycling."""
         meta = backend.build_metadata(
             [1] * self.batch, [self.context - 1] * self.batch, self.tables, self.block_size
         )
-        caches = (self.k_cache, self.v_cache)
-        return lambda: backend.forward(self.q, self.k, self.v, *caches, meta, self.scale)
+        pools = [(self.k_cache, self.v_cache)]
+        pools += [(self.k_cache.clone(), self.v_cache.clone()) for _ in range(layers - 1)]
+        turn = iter(range(1 << 62))
+
+        def run() -> torch.Tensor:
+            k_cache, v_cache = pools[next(turn) % len(pools)]
+            return backend.forward(self.q, self.k, self.v, k_cache, v_cache, meta, self.scale)
+
+        return run
+
+    def cold_layers(self, most: int) -> int:
+        """Pools to cycle through so their KV holds 4x the last-level cache (at most ``most``)."""
+        pool = 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return max(2, min(most, -(-4 * last_level_cache_bytes() // pool)))
 
     def kv_bytes(self) -> int:
         """K and V bytes of every context token: what the step must read."""
         return 2 * self.batch * self.context * self.k[0].numel() * self.k.element_size()
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 32 MiB when it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in "KM":
+            sizes.append(int(text[:-1]) << (10 if text[-1] == "K" else 20))
+    return max(sizes, default=32 << 20)
+
+
 def attention_table(args: argparse.Namespace) -> bool:
     ref, paged = get_backend("torch_ref"), get_backend("cpu_paged")
     print(f"attention only: {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, "
           f"block size {args.block_size}; best of {args.repeats} interleaved rounds")  # fmt: skip
-    print("| dtype | threads | batch | context | torch_ref ms | cpu_paged ms | speed-up | GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| dtype | threads | batch | context | torch_ref ms | cpu_paged ms | speed-up | GB/s "
+        "| cpu_paged cold ms | cold GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for threads in [int(t) for t in args.threads.split(",")]:
@@ -120,16 +154,20 @@ def attention_table(args: argparse.Namespace) -> bool:
                 for ctx in [int(x) for x in args.contexts.split(",")]:
                     layer = DecodeLayer(args, b, ctx, dtype)
                     run_ref, run_paged = layer.runner(ref), layer.runner(paged)
+                    run_cold = layer.runner(paged, layer.cold_layers(args.layers))
                     want, got = run_ref().float(), run_paged().float()
                     err = float((got - want).norm() / want.norm())
                     if err > TOL[dtype]:
                         ok = False
                         print(f"FAIL {dtype} b={b} ctx={ctx}: rel err {err:.2e}")
                     inner = max(1, int(2e6 // (b * ctx)))  # ~ms of work per timed sample
-                    t_ref, t_paged = best_of_interleaved([run_ref, run_paged], args.repeats, inner)
-                    gbs = layer.kv_bytes() / t_paged / 1e9
+                    t_ref, t_paged, t_cold = best_of_interleaved(
+                        [run_ref, run_paged, run_cold], args.repeats, inner
+                    )
+                    gbs, cold_gbs = (layer.kv_bytes() / t / 1e9 for t in (t_paged, t_cold))
                     print(f"| {str(dtype)[6:]} | {threads} | {b} | {ctx} | {t_ref * 1e3:.3f} | "
-                          f"{t_paged * 1e3:.3f} | {t_ref / t_paged:.1f}x | {gbs:.1f} |")  # fmt: skip
+                          f"{t_paged * 1e3:.3f} | {t_ref / t_paged:.1f}x | {gbs:.1f} | "
+                          f"{t_cold * 1e3:.3f} | {cold_gbs:.1f} |")  # fmt: skip
     return ok
 
 

@@ -27,9 +27,10 @@ from pdserve.attention.cpu_kernels import DecodeBatch
 from pdserve.attention.torch_ref import PrefillSpan, attend_prefills, prefill_spans, write_kv
 from pdserve.config import ConfigError
 
-# split-K policy (FlashDecoding): with fewer (sequence, KV head) pairs than about this many per
-# thread, each sequence's context is split so every thread gets work; a split is never shorter
-# than MIN_SPLIT_TOKENS (below that the merge costs more than the balance gains)
+# split-K policy (FlashDecoding): with fewer sequences than about this many per thread (the
+# kernel's work item is one sequence, all its heads), each sequence's context is split so every
+# thread gets work; a split is never shorter than MIN_SPLIT_TOKENS (below that the merge costs
+# more than the balance gains)
 ITEMS_PER_THREAD = 4
 MIN_SPLIT_TOKENS = 256
 # Below this many KV rows read per call (context tokens x KV heads, all decodes) the kernel runs on
@@ -47,13 +48,13 @@ def kernel_threads(num_decodes: int, kv_heads: int, max_seq_len: int) -> int:
     return torch.get_num_threads()
 
 
-def num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_threads: int) -> int:
+def num_splits(num_decodes: int, max_seq_len: int, num_threads: int) -> int:
     """Context partitions per sequence for the decode kernel (1 = no split-K): enough work
-    items for ``num_threads`` threads, each split at least MIN_SPLIT_TOKENS tokens long."""
-    pairs = num_decodes * kv_heads
-    if num_threads <= 1 or pairs == 0:
+    items (sequence, split) for ``num_threads`` threads, each split at least MIN_SPLIT_TOKENS
+    tokens long."""
+    if num_threads <= 1 or num_decodes == 0:
         return 1
-    want = -(-ITEMS_PER_THREAD * num_threads // pairs)
+    want = -(-ITEMS_PER_THREAD * num_threads // num_decodes)
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS))
 
 
@@ -73,7 +74,7 @@ class CpuPagedMetadata(AttentionMetadata):
 
 @register_backend("cpu_paged")
 class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
-    """Paged decode kernel in C (OpenMP over sequences x KV heads) + torch_ref's prefill path;
+    """Paged decode kernel in C (OpenMP over sequences x context splits) + torch_ref's prefill path;
     CPU tensors only. Raises ConfigError when the kernel cannot be built on this machine."""
 
     def __init__(self) -> None:
@@ -120,7 +121,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         d = meta.decode
         if d.num_decodes:
             threads = kernel_threads(d.num_decodes, k_cache.shape[2], d.max_seq_len)
-            splits = num_splits(d.num_decodes, k_cache.shape[2], d.max_seq_len, threads)
+            splits = num_splits(d.num_decodes, d.max_seq_len, threads)
             cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d, out, scale, splits, threads)
         if meta.prefills:
             attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out, scale)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 from attention_pools import shuffled_block_tables
 
+from pdserve import env
 from pdserve.attention import cpu_kernels
+from pdserve.attention.cpu_build import find_compiler, load_library
 from pdserve.attention.cpu_kernels import DecodeBatch
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,3 +199,35 @@ def test_bad_arguments_are_named() -> None:
         pool.batch(rows=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="block_tables must be"):
         DecodeBatch.build(pool.block_tables, pool.seq_lens[:1], 4)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets only")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2-8-lanes", "sse-4-lanes"])
+def test_narrower_vector_builds_match_definition(
+    march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel built for an older target than this CPU (AVX2: 8-float vectors and no
+    VDPBF16PS; baseline x86-64: 4-float vectors) gives the same answers: CI and serving machines
+    differ, and -march=native picks one of these paths on each."""
+    real, why = find_compiler()
+    assert real is not None, why
+    cc = tmp_path / f"cc-{march}"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do shift; [ "$a" = -march=native ] && a=-march='
+        + march
+        + '; set -- "$@" "$a"; done\n'
+        f'exec {real[0]} "$@"\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv(env.CC, str(cc))
+    monkeypatch.setenv(env.KERNEL_CACHE, str(tmp_path / "kernels"))
+    kl = load_library(cpu_kernels.SOURCE)
+    assert kl.lib is not None and "-march=native" in kl.flags, kl.reason
+    fn = kl.lib.pd_paged_decode
+    fn.argtypes, fn.restype = cpu_kernels._ARGTYPES, ctypes.c_int
+    monkeypatch.setattr(cpu_kernels, "_decode_fn", fn)
+    for dtype in DTYPES:
+        for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (12, 1, 40, 8)]:
+            pool = Pool([1, 17, 300], heads, kv_heads, head_dim, block_size, dtype, dtype)
+            assert pool.error(pool.run(num_threads=1)) < tolerance(dtype), (dtype, heads)

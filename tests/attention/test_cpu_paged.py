@@ -57,15 +57,16 @@ def test_build_metadata() -> None:
 
 
 def test_split_k_policy() -> None:
-    # one thread, or plenty of (sequence, KV head) pairs: no split
-    assert num_splits(1, 3, 32768, 1) == 1
-    assert num_splits(16, 3, 4096, 2) == 1
-    # one long sequence on 4 threads: enough items for every thread
-    assert num_splits(1, 2, 32768, 4) == 8
+    # one thread, or plenty of sequences: no split
+    assert num_splits(1, 32768, 1) == 1
+    assert num_splits(16, 4096, 2) == 1
+    # one long sequence on 4 threads: enough (sequence, split) items for every thread
+    assert num_splits(1, 32768, 4) == 16
+    assert num_splits(2, 32768, 4) == 8
     # never splits shorter than MIN_SPLIT_TOKENS
-    assert num_splits(1, 1, MIN_SPLIT_TOKENS * 2, 16) == 2
-    assert num_splits(1, 1, MIN_SPLIT_TOKENS - 1, 16) == 1
-    assert num_splits(0, 4, 0, 8) == 1
+    assert num_splits(1, MIN_SPLIT_TOKENS * 2, 16) == 2
+    assert num_splits(1, MIN_SPLIT_TOKENS - 1, 16) == 1
+    assert num_splits(0, 0, 8) == 1
 
 
 def test_tiny_llama_greedy_tokens_equal_torch_ref(greedy_tokens) -> None:  # noqa: ANN001

@@ -2,7 +2,7 @@
 
 - ``paged_decode.c``: paged decode attention (one query token per sequence) reading K/V in place
   through the block table, online softmax, GQA without repeating K/V, optional split-K; OpenMP
-  threads over (sequence, KV head, split).
+  threads over (sequence, split).
 
 The source is compiled on first use (:mod:`pdserve.attention.cpu_build`); :func:`load` says
 whether that worked. A call passes data pointers and strides to the library (no torch C++
