@@ -36,7 +36,7 @@ from router.http.stream_limit import (
 )
 from router.http.utility import add_utility_routes, model_card
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.readiness import check_ready, is_ready
+from router.readiness import STARTING_RETRY_AFTER_S, check_ready, is_ready
 from router.request_id import RequestIdMiddleware
 from router.serving import Router
 from router.status import ClusterMonitor
@@ -116,6 +116,7 @@ def build_app(
                 "prefill_workers": len(prefill),
             },
             status_code=200 if ok else 503,
+            headers=None if ok else {"Retry-After": str(STARTING_RETRY_AFTER_S)},
         )
 
     @app.get("/metrics")

@@ -48,7 +48,9 @@ async def test_not_ready_until_a_decode_worker_registers(tokenizer: Tokenizer) -
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == str(STARTING_RETRY_AFTER_S)
                 assert "not ready" in r.json()["error"]["message"]
-            assert (await client.get("/health")).status_code == 503
+            health = await client.get("/health")
+            assert health.status_code == 503  # with Retry-After, as README says (new-user #5)
+            assert health.headers["retry-after"] == str(STARTING_RETRY_AFTER_S)
             for rpc in (
                 stub.ListModels(gpb.ListModelsRequest(), timeout=5),
                 stub.Generate(GEN, timeout=5).read(),
