@@ -12,6 +12,12 @@ import argparse
 import importlib
 import sys
 
+# what `pdserve --help` says (the module docstring is for developers)
+DESCRIPTION = (
+    "pdserve: disaggregated prefill/decode LLM serving with OpenAI-compatible HTTP and gRPC "
+    "APIs. `pdserve COMMAND --help` describes a command."
+)
+
 # subcommand name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
@@ -27,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,7 @@ class ServePlan:
     log_level: str
     prefill_resources: dict[str, float] = field(default_factory=dict)  # Ray custom resources
     decode_resources: dict[str, float] = field(default_factory=dict)
+    router_flags: tuple[str, ...] = ()  # flags a joining `pdserve router` must repeat
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -164,10 +166,18 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         enable_fault_injection=args.enable_fault_injection,
     )
     unified = args.mode == "unified"
+    num_prefill = args.num_prefill_workers
+    if unified and num_prefill:
+        raise ConfigError(
+            f"--num-prefill-workers {num_prefill} has no effect with --mode unified (the decode "
+            "workers prefill locally): drop it, or use --mode disaggregated"
+        )
+    if num_prefill is None:
+        num_prefill = ServeConfig.num_prefill_workers
     serve = ServeConfig(
         engine=engine,
         mode=args.mode,
-        num_prefill_workers=0 if unified else args.num_prefill_workers,
+        num_prefill_workers=0 if unified else num_prefill,
         num_decode_workers=args.num_decode_workers,
         host=args.host,
         port=args.port,
@@ -195,7 +205,45 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         args.log_level or "info",
         prefill_resources=args.prefill_resources,
         decode_resources=args.decode_resources,
+        router_flags=router_flags(args),
     )
+
+
+def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `pdserve serve` flags a `pdserve router` joining this cluster must repeat (beyond
+    ``--ray-address`` and ``--model``, which the cluster's line names), for the startup hint.
+    Secrets are never printed: ``KEY`` / ``TOKEN`` stand for this server's."""
+    flags: list[str] = []
+    for flag, value in (
+        ("--served-model-name", args.served_model_name),
+        ("--max-model-len", args.max_model_len),
+        ("--chat-template", args.chat_template),
+        ("--tool-call-parser", args.tool_call_parser),
+    ):
+        if value is not None:
+            flags += [flag, shlex.quote(str(value))]
+    if args.mode == "unified":
+        flags += ["--mode", "unified"]
+    if args.api_key or env.api_key():
+        flags += ["--api-key", "KEY"]  # a placeholder that fails closed if pasted as is
+    if internal_token(args):
+        flags += ["--internal-token", "TOKEN"]
+    return tuple(flags)
+
+
+def _with_router_flags(line: Callable[[str], None], flags: Sequence[str]) -> Callable[[str], None]:
+    """``line`` (a progress printer) that adds ``flags`` to the cluster's "more routers:" hint
+    (router/cluster/ray_join.py's ``join_hint``) before any note that follows the command."""
+    if not flags:
+        return line
+
+    def print_line(text: str) -> None:
+        if text.startswith("more routers: "):
+            command, sep, note = text.partition("   (")
+            text = f"{command} {' '.join(flags)}{sep}{note}"
+        line(text)
+
+    return print_line
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -280,7 +328,7 @@ async def serve_async(
         pool,
         ray_address=s.ray_address,
         actor_classes=actor_classes or worker_actor_classes(),
-        progress=progress.line,
+        progress=_with_router_flags(progress.line, plan.router_flags),
         on_worker_ready=progress.worker_ready,
     )
     tokenizer = await tokenizer_task

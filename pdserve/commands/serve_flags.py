@@ -109,7 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default=LoadConfig.dtype,
-        help="auto (bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32) | float32 | ...",
+        help="auto (bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32) | float32 | "
+        "bfloat16 | float16",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument(
@@ -197,8 +198,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-prefill-workers",
         type=int,
-        default=ServeConfig.num_prefill_workers,
-        help="prefill worker actors (0: the decode workers prefill locally); default %(default)s",
+        default=None,
+        help="prefill worker actors (0: the decode workers prefill locally); default "
+        f"{ServeConfig.num_prefill_workers}, and none with --mode unified",
     )
     g.add_argument(
         "--num-decode-workers",

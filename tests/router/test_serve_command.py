@@ -153,3 +153,42 @@ async def test_startup_progress_in_a_log_prints_lines(capsys: pytest.CaptureFixt
     out, err = capsys.readouterr()
     assert "[pdserve] loading... 0 s" in out and "[pdserve] decode-0 ready" in out
     assert "workers loaded" not in err
+
+
+def test_unified_mode_refuses_a_prefill_worker_count() -> None:
+    """New-user #8: the count was silently dropped."""
+    with pytest.raises(ConfigError, match="--num-prefill-workers 2 has no effect with --mode"):
+        serve.build_plan(parse("serve", "--device", "cpu", "--mode", "unified",
+                               "--num-prefill-workers", "2"))  # fmt: skip
+    for extra in ([], ["--num-prefill-workers", "0"]):
+        plan = serve.build_plan(parse("serve", "--device", "cpu", "--mode", "unified", *extra))
+        assert plan.serve.num_prefill_workers == 0
+    plan = serve.build_plan(parse("serve", "--device", "cpu", "--num-prefill-workers", "2"))
+    assert plan.serve.num_prefill_workers == 2
+
+
+def test_router_hint_repeats_the_flags_a_router_must_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """New-user #6: the "more routers" line dropped --served-model-name (and other flags the
+    joining router must repeat); secrets appear as placeholders only."""
+    monkeypatch.delenv(env.API_KEY, raising=False)
+    args = parse(
+        "serve", "--device", "cpu", "--mode", "unified", "--served-model-name", "smol hf",
+        "--max-model-len", "1024", "--tool-call-parser", "json", "--api-key", "s3cret",
+    )  # fmt: skip
+    plan = serve.build_plan(args)
+    lines: list[str] = []
+    show = serve._with_router_flags(lines.append, plan.router_flags)
+    show("more routers: pdserve router --ray-address 1.2.3.4:6379   (Ray token auth is on)")
+    show("Ray joined")
+    hint = lines[0]
+    assert "s3cret" not in hint and hint.endswith("   (Ray token auth is on)")
+    command = hint.removeprefix("more routers: pdserve ").partition("   (")[0]
+    import shlex
+
+    routed = parse(*shlex.split(command))  # the printed line parses as a router command
+    assert routed.served_model_name == "smol hf" and routed.max_model_len == 1024
+    assert routed.mode == "unified" and routed.tool_call_parser == "json"
+    assert routed.api_key == "KEY" and lines[1] == "Ray joined"
+    assert serve.build_plan(parse("serve", "--device", "cpu")).router_flags == ()
