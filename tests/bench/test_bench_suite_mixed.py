@@ -12,8 +12,9 @@ import pytest
 from conftest import FakeServer
 
 from pdserve.bench.datasets import SampleRequest
-from pdserve.bench.serve import BenchConfig
+from pdserve.bench.serve import BenchConfig, BenchmarkError
 from pdserve.bench.suite.mixed import UNFINISHED, LongPrompts, run_mixed, run_paced_until
+from pdserve.bench.suite.workloads import MIN_MIXED_CAP_S, MixedWorkload
 from pdserve.bench.word_tokenizer import WordTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,3 +105,25 @@ def test_long_requests_still_running_after_the_drain_time_are_cut_off(
     assert long.metrics.failed == len(long.requests)
     assert all(o.error.startswith(UNFINISHED) and "0.5 s after" in o.error for o in long.outputs)
     assert all(o.start_time > 0 for o in long.outputs)
+
+
+def test_a_short_run_past_the_cap_fails_the_mixed_run_without_waiting_it_out(
+    fake_server: Callable[[dict[str, Any]], FakeServer],
+) -> None:
+    """A server whose short requests starve (here: 3 s each) is cut off at the cap (0.6 s) with
+    an error saying so; both clients stop."""
+    server = fake_server({**SCRIPT, "short": {"ttft_ms": 3000, "itl_ms": [10] * 9}})
+    short_cfg, long_cfg = _configs(server.base_url)
+    longs = LongPrompts([_long(i) for i in range(8)], _long)
+    t0 = time.perf_counter()
+    with pytest.raises(BenchmarkError, match="cap of 0.6 s: the server fell behind"):
+        asyncio.run(run_mixed(short_cfg, _shorts(4), long_cfg, longs, WordTokenizer(), max_s=0.6))
+    assert time.perf_counter() - t0 < 2.5
+
+
+def test_the_mixed_cap_scales_with_the_run_alone() -> None:
+    w = MixedWorkload(mixed_cap_factor=10.0)
+    assert w.mixed_cap_s(30.0) == 300.0
+    assert w.mixed_cap_s(1.0) == MIN_MIXED_CAP_S
+    with pytest.raises(ValueError, match="mixed_cap_factor must be > 0"):
+        MixedWorkload(mixed_cap_factor=0)

@@ -11,6 +11,11 @@
   and count as failed with an error starting :data:`UNFINISHED`, which keeps the run bounded
   when a server falls behind the long prompts' rate.
 
+The short run itself may be capped (``max_s``): a server whose short requests starve behind the
+long prompts would otherwise hold the run for as long as the starvation lasts (vLLM's CPU build
+in float32 once ran 28 minutes at 2-4 tokens/s here). Past the cap both clients are cancelled
+and :func:`run_mixed` raises :class:`~pdserve.bench.serve.BenchmarkError` saying so.
+
 Long prompts come from a supplier indexed by ``i`` (a seed per index, so they are distinct and
 reproducible); the ones prepared ahead are used first so that building prompt text does not hold
 the event loop while requests are being timed.
@@ -32,6 +37,7 @@ from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import RequestOutput, calculate_metrics
 from pdserve.bench.serve import (
     BenchConfig,
+    BenchmarkError,
     BenchmarkResult,
     auth_headers,
     fill_output_tokens,
@@ -140,19 +146,27 @@ async def run_mixed(
     longs: LongPrompts,
     tokenizer: BenchTokenizer | None = None,
     drain_s: float = math.inf,
+    max_s: float = math.inf,
 ) -> tuple[BenchmarkResult, BenchmarkResult]:
     """(short run, long run): both clients started together; the long client stops sending when
     the short run ends and waits at most ``drain_s`` s for its requests in flight.
     ``long_config.request_rate`` is the long prompts' rate (req/s); ``long_config.model`` must
-    be set. Raises BenchmarkError like a single run."""
+    be set. Raises BenchmarkError like a single run, and when the short run has not finished
+    ``max_s`` seconds after it started (both clients are then cancelled)."""
     stop = asyncio.Event()
     long_task = asyncio.create_task(run_paced_until(long_config, longs, stop, tokenizer, drain_s))
+    short_run = run_benchmark(replace(short_config, num_warmups=0), shorts, tokenizer)
     try:
-        short = await run_benchmark(replace(short_config, num_warmups=0), shorts, tokenizer)
-    except BaseException:
+        short = await asyncio.wait_for(short_run, None if max_s == math.inf else max_s)
+    except BaseException as e:
         long_task.cancel()
         with contextlib.suppress(BaseException):
             await long_task
+        if isinstance(e, asyncio.TimeoutError):
+            raise BenchmarkError(
+                f"the short requests beside the long prompts had not finished after the mixed "
+                f"run's cap of {max_s:.3g} s: the server fell behind the long prompts"
+            ) from None
         raise
     stop.set()
     return short, await long_task

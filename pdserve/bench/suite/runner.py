@@ -292,7 +292,8 @@ class Suite:
         )  # fmt: skip
         short_res, long_res = asyncio.run(
             run_mixed(mixed_cfg, self.inputs.short_mixed, long_cfg, longs,
-                      self.inputs.tokenizer, w.long_drain_s)
+                      self.inputs.tokenizer, w.long_drain_s,
+                      w.mixed_cap_s(alone.metrics.duration_s))
         )  # fmt: skip
         short_doc = self._save(short_res, spec, RUN_SHORT_MIXED)
         long_doc = self._save(long_res, spec, RUN_LONG_MIXED)

@@ -50,7 +50,9 @@ class MixedWorkload:
 
     Lengths in tokens; the long client sends evenly spaced requests (no concurrency cap) from the
     moment the short run starts until it ends, then waits up to ``long_drain_s`` seconds for
-    those in flight.
+    those in flight. A server that falls so far behind that the mixed short run takes more than
+    ``mixed_cap_factor`` times as long as the short run alone (and over 120 s) has its mixed run
+    cut off there and reported as failed, instead of holding the suite for as long as it takes.
     """
 
     short_num_prompts: int = 32
@@ -61,14 +63,23 @@ class MixedWorkload:
     long_output_len: int = 8
     long_rate: float = 0.25  # requests/s
     long_drain_s: float = 60.0
+    mixed_cap_factor: float = 10.0
     endpoint: str = COMPLETIONS_ENDPOINT
 
     def __post_init__(self) -> None:
         _positive(
             self, "short_num_prompts", "short_input_len", "short_output_len",
             "short_max_concurrency", "long_input_len", "long_output_len", "long_rate",
-            "long_drain_s",
+            "long_drain_s", "mixed_cap_factor",
         )  # fmt: skip
+
+    def mixed_cap_s(self, alone_s: float) -> float:
+        """The longest the mixed short run may take, given the short run alone took
+        ``alone_s`` seconds."""
+        return max(self.mixed_cap_factor * alone_s, MIN_MIXED_CAP_S)
+
+
+MIN_MIXED_CAP_S = 120.0  # the mixed run's cap is never shorter (a fast short run alone)
 
 
 def _positive(obj: object, *names: str) -> None:
