@@ -25,7 +25,7 @@ class ChatInputs:
     controls: dict[str, Any]
 
 
-_KIND_NAMES = {list: "array", dict: "object", str: "string"}
+_KIND_NAMES: dict[type, str] = {list: "array", dict: "object", str: "string"}
 
 
 def _json_type(value: Any) -> str:
@@ -51,7 +51,7 @@ def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = N
     if not isinstance(value, kinds) or isinstance(value, bool):
         want = " or ".join(_KIND_NAMES[k] for k in kinds)
         raise BadRequest(f"'{param}' must be a JSON {want} (got {_json_type(value)})", param=param)
-    if items is not None:
+    if items is not None and isinstance(value, list):
         for i, item in enumerate(value):
             if not isinstance(item, items):
                 raise BadRequest(
