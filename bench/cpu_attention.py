@@ -11,7 +11,8 @@ round by round and keeping each one's best (the machine may be shared):
   Both run one layer's pool over and over, so its KV stays in the CPU's caches; the "cold"
   column times the kernel over a different pool each call (as many as it takes to hold 4x
   the last-level cache, at most ``--layers``), as a model's step reads each layer's KV from
-  memory.
+  memory. ``--baseline-rev REV`` adds the kernel source of git revision REV (same entry point),
+  built beside this one, as two more columns: its time in cache and cold.
 * **--step**: a whole decode step of a model (default the bundled SmolLM2) at ``--step-batch``
   sequences after ``--prompt-len``-token prompts, one ModelRunner per backend: median and best
   step time, and the part of the step spent in attention (wall time inside
@@ -22,6 +23,7 @@ Usage::
     .venv/bin/python bench/cpu_attention.py                       # attention table, ~2 min
     .venv/bin/python bench/cpu_attention.py --step --threads 1    # + the SmolLM2 decode step
     .venv/bin/python bench/cpu_attention.py --batch-sizes 16 --contexts 256 --dtypes bfloat16
+    .venv/bin/python bench/cpu_attention.py --baseline-rev b063773 --threads 1  # old vs new
 
 Exit status 1 when the kernel disagrees with torch_ref; 2 when it cannot be built here.
 """
@@ -29,8 +31,11 @@ Exit status 1 when the kernel disagrees with torch_ref; 2 when it cannot be buil
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.attention import cpu_kernels  # noqa: E402
 from pdserve.attention.base import AttentionBackend, get_backend  # noqa: E402
+from pdserve.attention.cpu_build import load_library  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -59,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; best is kept")
     p.add_argument(
         "--layers", type=int, default=30, help="most pools the cold column cycles through"
+    )
+    p.add_argument(
+        "--baseline-rev", help="also time the decode kernel of this git revision (e.g. HEAD~1)"
     )
     p.add_argument("--step", action="store_true", help="also time a whole model decode step")
     p.add_argument("--model", default="smollm2")
@@ -137,15 +148,48 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def baseline_kernel(rev: str) -> Callable[..., int]:
+    """The decode kernel's entry point built from its source at git revision ``rev`` (compiled
+    into the kernel cache like the current one). Raises RuntimeError when it cannot be built."""
+    rel = cpu_kernels.SOURCE.relative_to(ROOT).as_posix()
+    proc = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"git show {rev}:{rel}: {proc.stderr.strip()}")
+    src = Path(tempfile.mkdtemp(prefix="pdserve-baseline-")) / cpu_kernels.SOURCE.name
+    src.write_text(proc.stdout)
+    kl = load_library(src)
+    if kl.lib is None:
+        raise RuntimeError(f"the kernel at {rev} does not build: {kl.reason}")
+    fn = kl.lib.pd_paged_decode
+    fn.argtypes, fn.restype = cpu_kernels._ARGTYPES, ctypes.c_int
+    return fn
+
+
+def with_kernel(fn: Callable[..., int], run: Callable[[], torch.Tensor]) -> Callable[[], object]:
+    """``run`` with the decode kernel's entry point swapped for ``fn`` during the call."""
+
+    def go() -> torch.Tensor:
+        saved, cpu_kernels._decode_fn = cpu_kernels._decode_fn, fn
+        try:
+            return run()
+        finally:
+            cpu_kernels._decode_fn = saved
+
+    return go
+
+
 def attention_table(args: argparse.Namespace) -> bool:
     ref, paged = get_backend("torch_ref"), get_backend("cpu_paged")
     print(f"attention only: {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, "
           f"block size {args.block_size}; best of {args.repeats} interleaved rounds")  # fmt: skip
+    base = baseline_kernel(args.baseline_rev) if args.baseline_rev else None
+    extra = f" {args.baseline_rev} ms | {args.baseline_rev} cold ms |" if base else ""
     print(
         "| dtype | threads | batch | context | torch_ref ms | cpu_paged ms | speed-up | GB/s "
-        "| cpu_paged cold ms | cold GB/s |"
+        f"| cpu_paged cold ms | cold GB/s |{extra}"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else ""))
     ok = True
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for threads in [int(t) for t in args.threads.split(",")]:
@@ -155,19 +199,23 @@ def attention_table(args: argparse.Namespace) -> bool:
                     layer = DecodeLayer(args, b, ctx, dtype)
                     run_ref, run_paged = layer.runner(ref), layer.runner(paged)
                     run_cold = layer.runner(paged, layer.cold_layers(args.layers))
-                    want, got = run_ref().float(), run_paged().float()
-                    err = float((got - want).norm() / want.norm())
-                    if err > TOL[dtype]:
-                        ok = False
-                        print(f"FAIL {dtype} b={b} ctx={ctx}: rel err {err:.2e}")
+                    runs: list[Callable[[], object]] = [run_ref, run_paged, run_cold]
+                    if base is not None:
+                        runs += [with_kernel(base, run_paged), with_kernel(base, run_cold)]
+                    want = run_ref().float()
+                    for name, run in zip(("cpu_paged", "baseline"), runs[1::2], strict=False):
+                        got = run().float()  # type: ignore[union-attr]
+                        err = float((got - want).norm() / want.norm())
+                        if err > TOL[dtype]:
+                            ok = False
+                            print(f"FAIL {name} {dtype} b={b} ctx={ctx}: rel err {err:.2e}")
                     inner = max(1, int(2e6 // (b * ctx)))  # ~ms of work per timed sample
-                    t_ref, t_paged, t_cold = best_of_interleaved(
-                        [run_ref, run_paged, run_cold], args.repeats, inner
-                    )
+                    t_ref, t_paged, t_cold, *t_base = best_of_interleaved(runs, args.repeats, inner)
                     gbs, cold_gbs = (layer.kv_bytes() / t / 1e9 for t in (t_paged, t_cold))
+                    cells = "".join(f" {t * 1e3:.3f} |" for t in t_base)
                     print(f"| {str(dtype)[6:]} | {threads} | {b} | {ctx} | {t_ref * 1e3:.3f} | "
                           f"{t_paged * 1e3:.3f} | {t_ref / t_paged:.1f}x | {gbs:.1f} | "
-                          f"{t_cold * 1e3:.3f} | {cold_gbs:.1f} |")  # fmt: skip
+                          f"{t_cold * 1e3:.3f} | {cold_gbs:.1f} |{cells}")  # fmt: skip
     return ok
 
 
