@@ -15,6 +15,7 @@ import grpc
 from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
 from router.pool import WorkerPool, WorkerState
+from router.worker_client import cancelled_by_caller, channel_closed
 
 # Errors that mean "this worker is (probably) down", as opposed to "busy" or "bad request".
 WORKER_DOWN = frozenset(
@@ -62,16 +63,27 @@ class DecodeAttempt:
             self.call.cancel()
             spawn(self.worker.client.abort(self.attempt_id, timeout_s))
 
+    async def read(self, timeout_s: float) -> Any:
+        """The stream's next event (``grpc.aio.EOF`` at the end): :func:`read_event`."""
+        return await read_event(self.call, timeout_s, self.worker.worker_id)
 
-async def read_event(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> Any:
-    """``await call.read()`` within ``timeout_s`` seconds (raises TimeoutError).
+
+async def read_event(call: grpc.aio.UnaryStreamCall, timeout_s: float, worker_id: str) -> Any:
+    """``await call.read()`` within ``timeout_s`` seconds (raises TimeoutError). A stream whose
+    channel was closed under it (``worker_id`` removed from the pool) raises an UNAVAILABLE
+    ``grpc.aio.AioRpcError``, not CancelledError (router/worker_client.py).
 
     NOTE: not ``asyncio.wait_for``: on Python 3.11 it returns the result and swallows a
     cancellation that arrives just as the read completes, so a sequence whose client left would
     keep decoding to max_tokens. ``asyncio.timeout`` always delivers the cancellation.
     """
     async with asyncio.timeout(timeout_s):
-        return await call.read()
+        try:
+            return await call.read()
+        except asyncio.CancelledError:
+            if cancelled_by_caller():  # the caller's own cancellation, or the timeout's
+                raise
+            raise channel_closed(worker_id) from None
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

@@ -4,7 +4,8 @@
 It places the sequence on a decode worker (a :class:`~router.decode_attempt.DecodeAttempt`),
 prefills it on a prefill worker (or locally on the decode worker in unified mode), follows the
 decode stream, and re-places it after a preemption, a lost worker or a failed prefill, within
-the retry budgets of :class:`LifecycleConfig`. Usage: iterate :meth:`RequestLifecycle.run` (an
+the retry budgets of :class:`LifecycleConfig`. A prefill worker that failed the sequence as if
+down is not tried again for it; with no other prefill worker left, the decode worker prefills. Usage: iterate :meth:`RequestLifecycle.run` (an
 async generator of ``SampledToken``); when it ends, ``finish_reason`` is "stop" or "length".
 Closing the generator early (``aclose()`` or task cancellation) aborts the sequence.
 
@@ -29,14 +30,15 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
-from router.decode_attempt import WORKER_DOWN, DecodeAttempt, read_event, status_from_code
+from router.decode_attempt import WORKER_DOWN, DecodeAttempt, status_from_code
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
-from router.policy import PrefillPolicy, blocks_for_tokens, rank_decode
+from router.policy import PrefillLoad, PrefillPolicy, blocks_for_tokens, rank_decode
 from router.pool import WORKER_SLOW, WorkerPool, WorkerState
 from router.readiness import STARTING_RETRY_AFTER_S
 from router.request_log import SequenceTrace
 from router.request_state import TERMINAL, RequestState, check_transition
 from router.request_state import RequestState as S
+from router.worker_client import cancelled_by_caller
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,9 @@ class RequestLifecycle:
         self._prefill_holder: tuple[WorkerState, str] | None = None
         self._prefix_hashes: list[int] | None = None
         self._failed_prefill: set[str] = set()
+        # prefill workers that failed this sequence as if down (WORKER_DOWN): never tried again
+        # for it, since the pool may still call them healthy (see _prefill_loads)
+        self._down_prefill: set[str] = set()
         self._left_decode: set[str] = set()  # decode workers that preempted or lost this sequence
 
     # -- state ------------------------------------------------------------------------------
@@ -168,7 +173,19 @@ class RequestLifecycle:
         return int((time.time() + (self.deadline - time.monotonic())) * 1000)
 
     def _unified(self) -> bool:
-        return self.config.unified or not self.pool.workers("prefill")
+        """Prefill on the decode worker: unified mode, or no prefill worker this sequence may use
+        (none is up, or every one failed it as if down)."""
+        return self.config.unified or not self._prefill_loads()
+
+    def _prefill_loads(self) -> list[PrefillLoad]:
+        """Healthy prefill workers' loads, without those in ``_down_prefill``.
+
+        NOTE: a worker that just died (or fails every forward pass) still looks healthy until
+        its polls fail (or keeps passing them), so retrying it would spend the sequence's whole
+        prefill budget there within a second (QA D6); the decode worker's local prefill is the
+        fallback once no other prefill worker is left.
+        """
+        return [w for w in self.pool.prefill_loads() if w.worker_id not in self._down_prefill]
 
     # -- the state machine --------------------------------------------------------------------
 
@@ -201,8 +218,16 @@ class RequestLifecycle:
                     async for tok in tokens:
                         yield tok
         except asyncio.CancelledError:
-            self._end(S.ABORTED, None)
-            raise
+            if cancelled_by_caller():
+                self._end(S.ABORTED, None)
+                raise
+            # NOTE: not this task's cancellation but a worker call's, ended under it (worker
+            # calls report a closed channel as UNAVAILABLE, so this is a last resort): fail with
+            # an error the client sees; re-raising would end the sequence silently (QA D1).
+            err = WorkerFailure("a worker call was cancelled under the request; retry it")
+            self.error = err
+            self._end(S.FAILED, None)
+            raise err from None
         except GeneratorExit:
             self._end(S.ABORTED, None)
             raise
@@ -307,7 +332,7 @@ class RequestLifecycle:
         attempt = DecodeAttempt(self.pool, worker, worker.client.decode(req), attempt_id, blocks)
         abort_timeout = self.config.abort_timeout_s
         try:
-            event = await read_event(attempt.call, timeout)
+            event = await attempt.read(timeout)
         except asyncio.CancelledError:  # the request ended while D reserves: cancel and abort
             attempt.close(abort=True, timeout_s=abort_timeout)
             raise
@@ -373,7 +398,7 @@ class RequestLifecycle:
         MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure.
         """
         assert attempt.accepted is not None
-        ranking = self.policy.rank(self.pool.prefill_loads(), self._affinity_hashes())
+        ranking = self.policy.rank(self._prefill_loads(), self._affinity_hashes())
         # retry elsewhere: workers that already failed this sequence go last
         ranking.sort(key=lambda w: w in self._failed_prefill)
         if not ranking:  # every prefill worker vanished since placement: go round again
@@ -434,6 +459,7 @@ class RequestLifecycle:
             raise BadRequest(f"rejected by prefill worker: {details}")
         if code in WORKER_DOWN:
             self.pool.report_failure(worker.worker_id, slow=code in WORKER_SLOW)
+            self._down_prefill.add(worker.worker_id)
         self.num_prefill_failures += 1
         self._failed_prefill.add(worker.worker_id)
         log.warning(
@@ -472,7 +498,7 @@ class RequestLifecycle:
         """Emit D's tokens until Finished (-> FINISHED) or a re-placement (-> MIGRATING)."""
         while True:
             try:
-                event = await read_event(attempt.call, self._remaining())
+                event = await attempt.read(self._remaining())
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"request {self.request_id} exceeded its deadline (--request-timeout)"

@@ -1,7 +1,11 @@
 """The router's view of its workers: membership, health and load, fed by polling GetStats.
 
 Membership changes come from outside (``router/cluster.py`` on Ray, or tests): ``upsert`` adds a
-worker or replaces one whose address changed (a restarted actor), ``remove`` drops it. A
+worker or replaces one whose address changed (a restarted actor), ``remove`` drops it. A dropped
+or replaced worker gets no new requests, but its channel stays open until the router has no call
+left on it (its :attr:`WorkerState.inflight` is 0), so a worker being scaled down drains: the
+prefills and decode streams it already runs finish (:meth:`WorkerPool.inflight` tells the cluster
+when it may stop the worker). A
 background task polls every worker's GetStats each ``stats_interval_s``; a worker that fails
 ``unhealthy_after`` polls (or RPCs, via :meth:`WorkerPool.report_failure`) with no successful poll
 between them is skipped by placement until a poll succeeds again.
@@ -99,7 +103,8 @@ class WorkerPool:
         self._workers: dict[str, WorkerState] = {}
         self._changed = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
-        self._retired: list[WorkerClient] = []
+        # dropped or replaced workers whose channels close once nothing is in flight on them
+        self._retired: list[WorkerState] = []
 
     # -- membership -------------------------------------------------------------------------
 
@@ -109,7 +114,7 @@ class WorkerPool:
         if old is not None and old.info == info:
             return old
         if old is not None:
-            self._retired.append(old.client)
+            self._retired.append(old)
         state = WorkerState(client=WorkerClient(info, self.internal_token))
         self._workers[info.worker_id] = state
         log.info("worker %s (%s) at %s registered", info.worker_id, info.role, info.grpc_address)
@@ -117,11 +122,12 @@ class WorkerPool:
         return state
 
     def remove(self, worker_id: str) -> bool:
-        """Drop a worker (its channel closes on the next poll). Returns whether it was known."""
+        """Drop a worker: nothing new is placed on it; its channel closes once the calls in
+        flight on it have finished (the module docstring). Returns whether it was known."""
         state = self._workers.pop(worker_id, None)
         if state is None:
             return False
-        self._retired.append(state.client)
+        self._retired.append(state)
         metrics.forget_worker(worker_id, state.info.role)
         log.info("worker %s removed", worker_id)
         self._notify()
@@ -152,6 +158,25 @@ class WorkerPool:
 
     def __iter__(self) -> Iterator[WorkerState]:
         return iter(list(self._workers.values()))
+
+    def inflight(self, worker_id: str) -> int:
+        """Requests the router has on worker ``worker_id`` now (prefill calls and decode
+        streams), counting its dropped or replaced entries until they drain."""
+        states = [w for w in self._retired if w.worker_id == worker_id]
+        live = self._workers.get(worker_id)
+        if live is not None:
+            states.append(live)
+        return sum(w.inflight for w in states)
+
+    async def _close_drained(self) -> None:
+        """Close the channels of dropped workers that have nothing in flight any more."""
+        draining = []
+        for w in self._retired:
+            if w.inflight > 0:
+                draining.append(w)
+            else:
+                await w.client.close()
+        self._retired = draining
 
     # -- router-side load between polls ----------------------------------------------------
 
@@ -218,9 +243,7 @@ class WorkerPool:
 
     async def poll_once(self) -> None:
         """Poll every worker's GetStats once (concurrently) and update health."""
-        for client in self._retired:
-            await client.close()
-        self._retired.clear()
+        await self._close_drained()
         states = list(self._workers.values())
         results = await asyncio.gather(
             *(w.client.get_stats(timeout_s=max(1.0, 2 * self.stats_interval_s)) for w in states),
@@ -268,8 +291,8 @@ class WorkerPool:
                 await self._poller
         for w in list(self._workers.values()):
             await w.client.close()
-        for client in self._retired:
-            await client.close()
+        for retired in self._retired:
+            await retired.client.close()
         self._retired.clear()
         self._workers.clear()
 

@@ -48,6 +48,7 @@ from router.request_id import current_request_id
 from router.request_log import RequestLog
 from router.serving_stats import ServingStats
 from router.tool_parsers import select_parser
+from router.worker_client import cancelled_by_caller
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,12 @@ class RequestStream:
             await gen.aclose()
             metrics.REQUESTS_ABORTED.inc()
             self.router.stats.counts["aborted"] += 1
-            raise
+            if self._closed or cancelled_by_caller():
+                raise
+            # NOTE: nobody cancelled this task: a cancellation leaked from below. Tell the
+            # consumer, who would otherwise wait for this sequence forever (QA D1).
+            log.error("%s: sequence %d ended by a stray cancellation", self.request_id, index)
+            self._queue.put_nowait(WorkerFailure("internal error: the sequence was cancelled"))
         except RouterError as e:
             metrics.REQUESTS_ABORTED.inc()
             self.router.stats.counts["aborted"] += 1

@@ -2,10 +2,16 @@
 
 The router talks to workers only through this class (and Ray, in cluster.py, to start them).
 Calls return wire messages; the lifecycle converts them with :mod:`pdserve.rpc`.
+
+NOTE: grpc.aio ends a call whose channel was closed under it with ``asyncio.CancelledError``,
+which reads like the caller's own cancellation (a client that left). Calls here turn that into
+an UNAVAILABLE :class:`grpc.aio.AioRpcError` (:func:`channel_closed`), so the
+lifecycle retries or re-places the request instead of silently dropping it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -29,6 +35,22 @@ _CHANNEL_OPTIONS = [
 ]
 
 ROLES = ("prefill", "decode")
+
+
+def cancelled_by_caller() -> bool:
+    """Whether the running task is being cancelled (its own cancellation, not a closed channel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def channel_closed(worker_id: str) -> grpc.aio.AioRpcError:
+    """The UNAVAILABLE error that stands for a call ended by closing its channel."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"the router closed its channel to worker {worker_id} during the call",
+    )
 
 
 class WorkerClient:
@@ -58,8 +80,14 @@ class WorkerClient:
         return self.info.role
 
     async def prefill(self, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
-        """Run one prefill. Raises grpc.aio.AioRpcError on failure or after ``timeout_s``."""
-        return await self._prefill.Prefill(request, timeout=timeout_s)
+        """Run one prefill. Raises grpc.aio.AioRpcError on failure or after ``timeout_s``
+        (UNAVAILABLE when the channel is closed during the call)."""
+        try:
+            return await self._prefill.Prefill(request, timeout=timeout_s)
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            raise channel_closed(self.worker_id) from None
 
     def decode(self, request: pb.DecodeRequest) -> grpc.aio.UnaryStreamCall:
         """Open a Decode stream; read it with ``await call.read()`` (``grpc.aio.EOF`` at the end).
@@ -91,5 +119,6 @@ class WorkerClient:
         return await self._decode.GetStats(pb.StatsRequest(), timeout=timeout_s)
 
     async def close(self) -> None:
-        """Close the channel; in-flight calls are cancelled."""
+        """Close the channel; in-flight calls fail (see the module docstring). The pool closes a
+        removed worker's channel only once the router has no call left on it."""
         await self._channel.close()

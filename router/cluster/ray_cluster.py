@@ -48,6 +48,9 @@ class ClusterSpec:
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
     ``prefill_resources``/``decode_resources``: Ray custom resources each worker of that role
     requires (e.g. ``{"pdserve_prefill": 1}``), so roles land on the nodes that advertise them.
+    A retired worker (scale-down) leaves the pool at once and is stopped ``drain_s`` later or,
+    when this router still has requests in flight on it, once they end, at most
+    ``drain_timeout_s`` after it left (what still runs then is re-placed on other workers).
     Times in seconds.
     """
 
@@ -62,6 +65,7 @@ class ClusterSpec:
     start_timeout_s: float = 900.0
     replace_after_s: float = 120.0
     drain_s: float = 5.0
+    drain_timeout_s: float = 120.0
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
 
@@ -142,6 +146,9 @@ class _Actor:
     down_since: float | None = None
     retiring: bool = False
     restarts: int = 0
+    # a start() call is running (from launch until it returns): the health monitor leaves the
+    # actor alone meanwhile, since a loading worker answers pings but serves no gRPC yet
+    starting: bool = True
 
 
 class RayCluster:
@@ -177,6 +184,7 @@ class RayCluster:
         self._gpus = 0.0  # set once Ray is up (init_ray)
         self._lock = asyncio.Lock()
         self._replacements: set[asyncio.Task[None]] = set()
+        self._drains: set[asyncio.Task[None]] = set()  # retired actors waiting to stop
 
     @property
     def gcs_address(self) -> str:
@@ -245,7 +253,7 @@ class RayCluster:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
-        for task in list(self._replacements):
+        for task in list(self._replacements) + list(self._drains):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -283,12 +291,15 @@ class RayCluster:
 
     async def _start_actor(self, actor: _Actor) -> WorkerInfo:
         t0 = time.monotonic()
+        actor.starting = True
         try:
             info: WorkerInfo = await asyncio.wait_for(
                 actor.handle.start.remote(), self.spec.start_timeout_s
             )
         except (RayActorError, asyncio.TimeoutError) as e:
             raise RuntimeError(f"worker {actor.worker_id} failed to start: {e}") from e
+        finally:
+            actor.starting = False
         actor.info = info
         actor.down_since = None
         if actor.retiring or actor.worker_id not in self._actors:
@@ -361,26 +372,49 @@ class RayCluster:
         need = {"CPU": self._cpus * num_workers, "GPU": self._gpus * num_workers}
         for name, amount in self.spec.resources(role).items():
             need[name] = need.get(name, 0.0) + amount * num_workers
+        draining = sum(a.retiring for a in self._actors.values())
+        hint = (
+            f"; {draining} retired worker(s) still drain their requests and hold theirs until "
+            "they stop, so retry in a few seconds"
+            if draining
+            else ""
+        )
         for name, amount in need.items():
             have = float(free.get(name, 0.0))
             if amount > 0 and have + 1e-9 < amount:
                 raise InsufficientResources(
                     f"not enough free {name} in the Ray cluster for {num_workers} more {role} "
                     f"worker(s): need {amount:g}, {have:g} free; add nodes or scale another role "
-                    "down first"
+                    f"down first{hint}"
                 )
 
     async def _retire(self, actor: _Actor) -> None:
+        """Take ``actor`` out of service now and stop it once drained (:class:`ClusterSpec`)."""
         actor.retiring = True
         self.pool.remove(actor.worker_id)
         await self._registry.remove.remote(actor.worker_id)
+        task = asyncio.get_running_loop().create_task(self._drain_then_kill(actor))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
-        async def drain_then_kill() -> None:
-            await asyncio.sleep(self.spec.drain_s)
-            await self._kill(actor, graceful=True)
-            self._actors.pop(actor.worker_id, None)
-
-        asyncio.get_running_loop().create_task(drain_then_kill())
+    async def _drain_then_kill(self, actor: _Actor) -> None:
+        # NOTE: at least drain_s even when idle here: routers that follow the registry
+        # (`pdserve router`) learn of the removal within their poll interval, and their calls
+        # in flight are not counted by this pool.
+        t0 = time.monotonic()
+        await asyncio.sleep(self.spec.drain_s)
+        while self.pool.inflight(actor.worker_id) > 0:
+            if time.monotonic() - t0 >= self.spec.drain_timeout_s:
+                log.warning(
+                    "%s still has %d request(s) in flight %.0f s after it was retired; stopping "
+                    "it (they are re-placed on other workers)",
+                    actor.worker_id, self.pool.inflight(actor.worker_id), self.spec.drain_timeout_s,
+                )  # fmt: skip
+                break
+            await asyncio.sleep(0.1)
+        await self._kill(actor, graceful=True)
+        self._actors.pop(actor.worker_id, None)
+        self._progress(f"{actor.worker_id} stopped after {time.monotonic() - t0:.1f} s of draining")
 
     async def _replace(self, role: str) -> None:
         """Launch one ``role`` worker once the cluster has room for it (a lost node's workers
@@ -464,6 +498,8 @@ class RayCluster:
 
     async def _check(self, actor: _Actor) -> None:
         """One health check: re-register a restarted actor, replace a dead one."""
+        if actor.starting:  # loading: it pings but serves no gRPC yet (QA D2: started twice)
+            return
         now = time.monotonic()
         if not await self._ping(actor):
             if actor.retiring:
@@ -495,8 +531,8 @@ class RayCluster:
         # a restarted actor, which must be started again.
         if actor.info is not None and await _serving(actor.info, self.pool.internal_token):
             return
-        if actor.retiring:  # retired while we looked: its server is being stopped on purpose
-            return
+        if actor.retiring or actor.starting:  # retired (stopped on purpose) or being started
+            return  # while we looked
         actor.restarts += 1
         self._progress(f"{actor.worker_id} restarted by Ray; starting it again")
         try:

@@ -390,3 +390,28 @@ class FakeWorkerActor:
         import os
 
         os._exit(1)
+
+
+class SlowStartWorkerActor(FakeWorkerActor):
+    """A FakeWorkerActor whose ``start()`` takes ``START_S`` seconds, as loading a model does, and
+    answers pings meanwhile (it is an async actor); ``num_starts()`` counts the start calls."""
+
+    START_S = 2.0
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: object,
+        num_cpus: float = 1.0,
+        allow_local_prefill: bool = False,
+    ) -> None:
+        super().__init__(worker_id, config, num_cpus, allow_local_prefill)
+        self.starts = 0
+
+    async def start(self) -> WorkerInfo:
+        self.starts += 1
+        await asyncio.sleep(self.START_S)
+        return await super().start()
+
+    async def num_starts(self) -> int:
+        return self.starts

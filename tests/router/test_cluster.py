@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import fake_workers
 import pytest
 import ray
-from fake_workers import FakeWorkerActor
+from fake_workers import FakeWorkerActor, SlowStartWorkerActor
 
 from pdserve.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
@@ -210,3 +211,67 @@ async def test_scaling_a_role_whose_resource_no_node_offers_is_refused(local_ray
         assert row["resources"] == {} and "node_address" in row
     finally:
         await cluster.stop()
+
+
+async def test_scaling_up_starts_a_loading_worker_once(local_ray: str) -> None:
+    """QA D2: the health monitor took a worker still loading (it answers Ray pings, serves no
+    gRPC yet, has no info) for one Ray had restarted and called start() on it a second time:
+    two registrations, and a real worker whose forward passes all failed."""
+    pool = WorkerPool(stats_interval_s=0.2)
+    lines: list[str] = []
+    classes = {"prefill": SlowStartWorkerActor, "decode": FakeWorkerActor}
+    cluster = RayCluster(spec(), pool, actor_classes=classes, progress=lines.append)
+    await cluster.start()
+    pool.start()
+    try:
+        await cluster.scale("prefill", 0)
+        await cluster.scale("prefill", 1)  # 2 s of loading: about 6 health checks meanwhile
+        await asyncio.sleep(1.0)  # and a few after it registered
+        handle = ray.get_actor("prefill-1", namespace="pdserve")
+        assert await handle.num_starts.remote() == 1
+        assert not any("restarted by Ray" in line for line in lines), lines
+        assert sum(line.startswith("prefill-1 ready") for line in lines) == 1
+        (row,) = [d for d in cluster.describe() if d["worker_id"] == "prefill-1"]
+        assert row["restarts"] == 0 and row["state"] == "ready"
+        assert [w.worker_id for w in pool.workers("prefill")] == ["prefill-1"]
+    finally:
+        await cluster.stop()
+        await pool.close()
+
+
+async def test_a_retired_worker_stops_once_its_requests_drained(local_ray: str) -> None:
+    """QA D1: scale-down drains. A retired worker leaves the pool at once but keeps running
+    while this router has requests on it, and stops when they end or at drain_timeout_s."""
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": FakeWorkerActor, "decode": FakeWorkerActor}
+    s = dataclasses.replace(spec(prefill=2), drain_timeout_s=4.0)
+    cluster = RayCluster(s, pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    pool.start()
+    try:
+        busy = {w: pool.get(w) for w in ("prefill-0", "prefill-1")}
+        for worker in busy.values():
+            assert worker is not None
+            pool.reserve(worker, tokens=100)  # a prefill in flight on each
+        t0 = time.monotonic()
+        await cluster.scale("prefill", 0)
+        assert pool.workers("prefill") == []
+
+        def actors() -> set[str]:
+            return {d["worker_id"] for d in cluster.describe()}
+
+        await asyncio.sleep(1.5)  # far past drain_s (0.1 s)
+        assert actors() == {"decode-0", "prefill-0", "prefill-1"}
+        for name in busy:
+            assert await ray.get_actor(name, namespace="pdserve").ping.remote()
+        assert {d["state"] for d in cluster.describe() if d["role"] == "prefill"} == {"retiring"}
+
+        pool.release(busy["prefill-0"], tokens=100)  # its prefill ended: it stops now
+        await wait_for(lambda: "prefill-0" not in actors(), timeout_s=10.0)
+        assert "prefill-1" in actors() and time.monotonic() - t0 < 4.0
+        # prefill-1 never drains: stopped at drain_timeout_s, its request is re-placed
+        await wait_for(lambda: "prefill-1" not in actors(), timeout_s=15.0)
+        assert time.monotonic() - t0 >= 4.0 and pool.inflight("prefill-1") == 1
+    finally:
+        await cluster.stop()
+        await pool.close()
