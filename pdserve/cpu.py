@@ -12,6 +12,8 @@ from pathlib import Path
 
 # /proc/cpuinfo flag names (Linux kernel spelling) of native bf16 arithmetic.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# ... and of AMX's bf16 tile multiply (Intel Sapphire Rapids and later)
+AMX_BF16_FLAG = "amx_bf16"
 
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
@@ -35,3 +37,8 @@ def cpu_flags() -> frozenset[str]:
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU (or the given flag set) computes bfloat16 natively."""
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+
+
+def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when the CPU (or the given flag set) has AMX bf16 tile multiplies."""
+    return AMX_BF16_FLAG in (cpu_flags() if flags is None else flags)

@@ -79,13 +79,14 @@ def test_transformers5_rope_parameters() -> None:
 def test_dtype_auto_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """--dtype auto: bf16 on CUDA and on CPUs with native bf16, float32 on AVX2-only CPUs."""
     from pdserve import config as config_mod
-    from pdserve.cpu import has_native_bf16, parse_cpu_flags
+    from pdserve.cpu import has_amx_bf16, has_native_bf16, parse_cpu_flags
 
     amd_avx2 = parse_cpu_flags("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n")
     intel_amx = parse_cpu_flags("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
     epyc_bf16 = parse_cpu_flags("flags\t\t: avx2 avx512f avx512_bf16\n")
     assert not has_native_bf16(amd_avx2)
     assert has_native_bf16(intel_amx) and has_native_bf16(epyc_bf16)
+    assert has_amx_bf16(intel_amx) and not has_amx_bf16(epyc_bf16)
     assert parse_cpu_flags("no flags here") == frozenset()
 
     monkeypatch.setattr(config_mod, "has_native_bf16", lambda: False)

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from pdserve.config import EngineConfig, check_cpus_per_worker
+from pdserve.cpu import has_amx_bf16
 from pdserve.worker_info import WorkerInfo
 from router.cluster.ray_join import join, join_hint
 from router.cluster.registry import NAMESPACE, live_registry
@@ -42,7 +43,7 @@ MAX_WORKERS_PER_ROLE = 64  # /admin/scale bound: far beyond one node, catches ty
 @dataclass(frozen=True)
 class ClusterSpec:
     """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (for 16-bit models
-    on CPU one left to the router where the rest split into whole CPUs; see
+    on a CPU with AMX one left to the router where the rest split into whole CPUs; see
     :func:`local_resources`).
 
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
@@ -90,28 +91,30 @@ class ClusterSpec:
 
 
 # CPUs the default split leaves to the router (HTTP and gRPC gateways, detokenization), Ray's
-# daemons and local clients, for 16-bit models on CPU, where the other CPUs split into whole
-# CPUs per worker. A worker's torch threads wait for each other at every op, so a thread the
-# router keeps descheduling stalls the whole step, and a bf16 step is short enough for that to
-# cost more than the thread gains. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M, unified
+# daemons and local clients, for 16-bit models on a CPU with AMX, where the other CPUs split into
+# whole CPUs per worker. A worker's torch threads wait for each other at every op, so a thread the
+# router keeps descheduling stalls the whole step, and an AMX bf16 step is short enough for that
+# to cost more than the thread gains. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M, unified
 # mode, the serving suite's main workload (docs/benchmarks.md, session 7): bf16, three
 # interleaved pairs, the decode worker on 1 thread 229 / 223 / 214 output tok/s, on both cores
-# 189 / 188 / 186; float32, one pair, 1 thread 100.1, both cores 115.2 (fp32 matmuls gain from
-# the second core), so float32 keeps every CPU. Splits that are not whole keep every CPU too
+# 189 / 188 / 186. Without AMX the matmuls dominate and the second core pays: on a 2-core AMD EPYC
+# (Zen 4, avx512_bf16, no AMX), the same workload in session 10, two pairs, 1 thread 135.0 / 154.7
+# tok/s, both cores 174.1 / 177.9 (p99 TPOT 120 / 101 ms against 90 / 91). float32 keeps every CPU
+# (session 7, AMX: 1 thread 100.1, both cores 115.2). Splits that are not whole keep every CPU too
 # (unmeasured: 4 cores and 2 workers would otherwise halve each worker's threads).
 ROUTER_RESERVED_CPUS = 1
 
 
 def local_resources(spec: ClusterSpec) -> tuple[float, int]:
     """(CPUs per worker, CPUs to give a new local Ray) for ``spec``: ``cpus_per_worker``, else
-    the machine's CPUs split evenly (at least 0.5 each); for a bf16/fp16 model on CPU whose
-    workers can share all CPUs but ROUTER_RESERVED_CPUS as whole CPUs each, that split."""
+    the machine's CPUs split evenly (at least 0.5 each); for a bf16/fp16 model on a CPU with AMX
+    whose workers can share all CPUs but ROUTER_RESERVED_CPUS as whole CPUs each, that split."""
     n = spec.num_prefill_workers + spec.num_decode_workers
     total = os.cpu_count() or 1
     load = spec.engine.load
     rest = total - ROUTER_RESERVED_CPUS
-    sixteen_bit_cpu = load.device == "cpu" and load.resolved_dtype != "float32"
-    usable = rest if sixteen_bit_cpu and rest >= n and rest % n == 0 else total
+    reserve = load.device == "cpu" and load.resolved_dtype != "float32" and has_amx_bf16()
+    usable = rest if reserve and rest >= n and rest % n == 0 else total
     cpus = spec.cpus_per_worker or max(0.5, usable / n)
     ray_cpus = max(total, int(cpus * n + 0.999))
     return cpus, ray_cpus

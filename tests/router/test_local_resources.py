@@ -12,15 +12,16 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def split(cpus: int, dtype: str, prefill: int, decode: int, monkeypatch: pytest.MonkeyPatch,
-          cpus_per_worker: float | None = None) -> tuple[float, int]:  # fmt: skip
+          cpus_per_worker: float | None = None, amx: bool = True) -> tuple[float, int]:  # fmt: skip
     monkeypatch.setattr(ray_cluster.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(ray_cluster, "has_amx_bf16", lambda: amx)
     engine = EngineConfig(load=LoadConfig(dtype=dtype))
     spec = ClusterSpec(engine, prefill, decode, cpus_per_worker=cpus_per_worker)
     return local_resources(spec)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_sixteen_bit_leaves_a_cpu_to_the_router(
+def test_sixteen_bit_on_amx_leaves_a_cpu_to_the_router(
     dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # unified on 2 cores: the decode worker gets one, the router the other
@@ -30,6 +31,15 @@ def test_sixteen_bit_leaves_a_cpu_to_the_router(
     # 17 cores, 4 workers: four each, one for the router
     cpus, ray_cpus = split(17, dtype, 2, 2, monkeypatch)
     assert (cpus, ray_cpus, threads_for(cpus)) == (4.0, 17, 4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_without_amx_keeps_every_cpu(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # measured: without AMX a unified worker on both cores beats one core (ray_cluster's note)
+    assert split(2, dtype, 0, 1, monkeypatch, amx=False) == (2.0, 2)
+    assert split(3, dtype, 1, 1, monkeypatch, amx=False) == (1.5, 3)
 
 
 def test_no_reservation_where_the_rest_does_not_split_whole(
