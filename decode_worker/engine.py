@@ -198,6 +198,8 @@ class DecodeEngine(WorkerEngine):
                 raise EngineError(UNAVAILABLE, f"decode worker {self.worker_id} has no KV receiver")
             transfer_id = 0 if req.prefill_locally else next(self._transfer_ids)
             table = self.scheduler.add_request(req, transfer_id, grammar)
+            seq = self.scheduler.get(req.request_id)
+            cached = seq.num_cached if seq is not None and req.prefill_locally else 0
             self._sinks[req.request_id] = sink
             if not req.prefill_locally:
                 self._expect_kv(req, transfer_id, table)
@@ -208,6 +210,7 @@ class DecodeEngine(WorkerEngine):
             kv_endpoint=self.kv_endpoint,
             decode_worker_id=self.worker_id,
             num_reserved_blocks=len(table),
+            cached_tokens=cached,
         )
 
     def _expect_kv(self, req: DecodeRequest, transfer_id: int, table: list[int]) -> None:

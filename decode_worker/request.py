@@ -41,12 +41,15 @@ class DecodeRequest(EngineRequest):
 @dataclass(frozen=True)
 class Accepted:
     """Answer to an accepted request. ``transfer_id``: the id the prefill worker sends the KV
-    under (0 for a local prefill). ``num_reserved_blocks``: blocks reserved for the prompt."""
+    under (0 for a local prefill). ``num_reserved_blocks``: blocks reserved for the prompt.
+    ``cached_tokens``: for a local prefill, prompt tokens served from this worker's prefix cache
+    (0 for a remote one: its prefill worker reports them)."""
 
     transfer_id: int
     kv_endpoint: str
     decode_worker_id: str
     num_reserved_blocks: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

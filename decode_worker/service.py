@@ -111,6 +111,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                     kv_endpoint=acc.kv_endpoint,
                     decode_worker_id=acc.decode_worker_id,
                     num_reserved_blocks=acc.num_reserved_blocks,
+                    cached_tokens=acc.cached_tokens,
                 )
             )
             while True:

@@ -357,6 +357,8 @@ class RequestLifecycle:
             reserved = event.accepted.num_reserved_blocks or blocks
             self.trace.decode_reserved(worker.worker_id, attempt_id, reserved, local)
             self.num_local_prefills += local
+            if local and not self.output:  # a local prefill: the decode worker's prefix cache
+                self.cached_tokens = event.accepted.cached_tokens
             return attempt
         attempt.close(abort=True, timeout_s=abort_timeout)
         if kind == "error":

@@ -141,16 +141,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("transfer_id", "kv_endpoint", "decode_worker_id", "num_reserved_blocks")
+    __slots__ = ("transfer_id", "kv_endpoint", "decode_worker_id", "num_reserved_blocks", "cached_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     kv_endpoint: str
     decode_worker_id: str
     num_reserved_blocks: int
-    def __init__(self, transfer_id: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, transfer_id: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("tokens", "prompt_logprobs")

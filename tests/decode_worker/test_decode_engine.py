@@ -240,3 +240,24 @@ def test_logprobs_when_asked() -> None:
     plain = [t for e in col.events["no"] if isinstance(e, TokensEvent) for t in e.tokens]
     assert [t.token_id for t in plain] == [t.token_id for t in toks]
     assert all(t.top_logprobs == () for t in plain)
+
+
+def test_a_local_prefill_reports_its_prefix_cache_hit() -> None:
+    """Unified mode: the Accepted answer carries the prompt tokens served from the decode
+    worker's prefix cache (the router reports them as usage cached_tokens), 0 on a miss."""
+    eng = tiny_engine(prefix_caching=True)
+    col = Collector()
+    shared = prompt(0, 17)  # 4 full blocks of 4, then one token
+    first = eng.add_request(
+        DecodeRequest("a", shared, greedy(2), prefill_locally=True), col.sink("a")
+    )
+    assert first.cached_tokens == 0
+    while not col.done("a"):
+        eng.step()
+    again = eng.add_request(
+        DecodeRequest("b", shared, greedy(2), prefill_locally=True), col.sink("b")
+    )
+    assert again.cached_tokens == 16  # the full blocks; the last token is always computed
+    while not col.done("b"):
+        eng.step()
+    eng.check_integrity()

@@ -130,6 +130,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
                     kv_endpoint=self.kv_endpoint,
                     decode_worker_id=self.worker_id,
                     num_reserved_blocks=need,
+                    # a local prefill's prefix-cache hit, as FakePrefill reports a remote one
+                    cached_tokens=len(prompt) // 16 * 16 // 2 if request.prefill_locally else 0,
                 )
             )
             n_out = request.num_output_tokens

@@ -85,6 +85,7 @@ async def test_unified_mode_matches_disaggregated() -> None:
         assert await collect(lc) == expected(PROMPT, 8)
         assert c.decodes[0].requests[0].prefill_locally
         assert not c.prefills[0].requests
+        assert lc.cached_tokens == 16  # the decode worker's prefix-cache hit, from Accepted
     finally:
         await c.close()
 
