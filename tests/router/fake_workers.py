@@ -13,6 +13,7 @@ import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -400,14 +401,8 @@ class SlowStartWorkerActor(FakeWorkerActor):
 
     START_S = 2.0
 
-    def __init__(
-        self,
-        worker_id: str,
-        config: object,
-        num_cpus: float = 1.0,
-        allow_local_prefill: bool = False,
-    ) -> None:
-        super().__init__(worker_id, config, num_cpus, allow_local_prefill)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.starts = 0
 
     async def start(self) -> WorkerInfo:
