@@ -5,53 +5,19 @@ again for the same sequence."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
-from fake_workers import FakeCluster, next_token, start_fake_cluster
+from fake_workers import start_fake_cluster
+from lifecycle_kit import PROMPT, collect, collect_acting, expected, make, wait_until
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from router.errors import WorkerFailure
-from router.lifecycle import LifecycleConfig, RequestLifecycle
+from router.lifecycle import RequestLifecycle
 from router.serving import Router, RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
-
-PROMPT = list(range(100, 140))
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for i in range(n):
-        tok = next_token(seq, i, None)
-        seq.append(tok)
-        out.append(tok)
-    return out
-
-
-def make(cluster: FakeCluster, max_tokens: int = 8, **cfg: object) -> RequestLifecycle:
-    return RequestLifecycle(
-        "req-1",
-        PROMPT,
-        SamplingParams(temperature=0, max_tokens=max_tokens),
-        cluster.pool,
-        LifecycleConfig(**cfg),  # type: ignore[arg-type]
-        deadline=time.monotonic() + 30.0,
-    )
-
-
-async def collect(lc: RequestLifecycle) -> list[int]:
-    return [t.token_id async for t in lc.run()]
-
-
-async def wait_until(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < end, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
 
 # -- D1: scale-down drains ------------------------------------------------------------------------
 
@@ -78,15 +44,16 @@ async def test_a_removed_decode_worker_finishes_the_stream_it_runs() -> None:
     c = await start_fake_cluster(decodes=[{"step_s": 0.05}, {}])
     try:
         lc = make(c, max_tokens=20)
-        got: list[int] = []
-        async for tok in lc.run():
-            got.append(tok.token_id)
-            if len(got) == 3:
-                worker = lc._attempt.worker.worker_id  # type: ignore[union-attr]
-                assert c.pool.remove(worker)
-                await c.pool.poll_once()
-                await c.pool.poll_once()
-        assert got == expected(PROMPT, 20)
+        worker = ""
+
+        async def remove(lc: RequestLifecycle) -> None:
+            nonlocal worker
+            worker = lc._attempt.worker.worker_id  # type: ignore[union-attr]
+            assert c.pool.remove(worker)
+            await c.pool.poll_once()
+            await c.pool.poll_once()
+
+        assert await collect_acting(lc, 3, remove) == expected(PROMPT, 20)
         assert lc.num_migrations == 0 and c.pool.inflight(worker) == 0
     finally:
         await c.close()
@@ -114,14 +81,13 @@ async def test_a_channel_closed_mid_decode_migrates_the_stream() -> None:
     c = await start_fake_cluster(decodes=[{"step_s": 0.05}, {"step_s": 0.05}])
     try:
         lc = make(c, max_tokens=12)
-        got: list[int] = []
-        async for tok in lc.run():
-            got.append(tok.token_id)
-            if len(got) == 3:
-                worker = lc._attempt.worker  # type: ignore[union-attr]
-                c.pool.remove(worker.worker_id)
-                await worker.client.close()
-        assert got == expected(PROMPT, 12)
+
+        async def close(lc: RequestLifecycle) -> None:
+            worker = lc._attempt.worker  # type: ignore[union-attr]
+            c.pool.remove(worker.worker_id)
+            await worker.client.close()
+
+        assert await collect_acting(lc, 3, close) == expected(PROMPT, 12)
         assert lc.num_migrations == 1
     finally:
         await c.close()

@@ -70,6 +70,13 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     return err
 
 
+async def post_with(e: Env, path: str, field: str, value: object) -> httpx.Response:
+    """POST a short request to ``path`` (chat messages or a completions prompt) with ``field``
+    set to ``value`` and max_tokens 4."""
+    prompt = {"messages": MSGS} if "chat" in path else {"prompt": "hi"}
+    return await e.client.post(path, json={**prompt, field: value, "max_tokens": 4})
+
+
 async def test_chat_completion_non_streaming(tokenizer: Tokenizer) -> None:
     async with env(tokenizer) as e:
         r = await e.client.post(

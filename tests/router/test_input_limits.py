@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from test_http_gateway import MSGS, assert_openai_error, env, live_server
+from test_http_gateway import MSGS, assert_openai_error, env, live_server, post_with
 
 from pdserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.tokenizer import Tokenizer
@@ -36,11 +36,10 @@ async def test_stop_limits_are_400_naming_field_and_limit(
     tokenizer: Tokenizer, path: str, field: str, value: object, limit: int
 ) -> None:
     async with env(tokenizer) as e:
-        prompt = {"messages": MSGS} if "chat" in path else {"prompt": "hi"}
-        r = await e.client.post(path, json={**prompt, field: value, "max_tokens": 4})
+        r = await post_with(e, path, field, value)
         assert str(limit) in assert_openai_error(r, 400, field)["message"]
         at_limit = value[:limit] if isinstance(value, list) else value[:limit]
-        r = await e.client.post(path, json={**prompt, field: at_limit, "max_tokens": 4})
+        r = await post_with(e, path, field, at_limit)
         assert r.status_code == 200, r.text
 
 

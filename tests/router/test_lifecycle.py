@@ -3,60 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
-from fake_workers import EOS, FakeCluster, next_token, start_fake_cluster
+from fake_workers import EOS, start_fake_cluster
+from lifecycle_kit import PROMPT, collect, collect_acting, expected, make, wait_until
 
-from pdserve.sampling_params import SamplingParams
 from router.background import drain_background, spawn
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
-from router.lifecycle import LifecycleConfig, RequestLifecycle
+from router.lifecycle import RequestLifecycle
 from router.request_state import RequestState
 
 pytestmark = pytest.mark.timeout(60)
-
-PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    seq, out = list(prompt), []
-    for i in range(n):
-        tok = next_token(seq, i, None)
-        seq.append(tok)
-        out.append(tok)
-    return out
-
-
-def make(
-    cluster: FakeCluster,
-    max_tokens: int = 8,
-    timeout_s: float = 20.0,
-    request_id: str = "req-1",
-    prompt: list[int] | None = None,
-    **cfg: object,
-) -> RequestLifecycle:
-    return RequestLifecycle(
-        request_id,
-        prompt or PROMPT,
-        SamplingParams(temperature=0, max_tokens=max_tokens),
-        cluster.pool,
-        LifecycleConfig(**cfg),  # type: ignore[arg-type]
-        deadline=time.monotonic() + timeout_s,
-    )
-
-
-async def collect(lc: RequestLifecycle) -> list[int]:
-    return [t.token_id async for t in lc.run()]
-
-
-async def wait_until(pred, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_disaggregated_flow_reserves_then_prefills_then_decodes() -> None:
@@ -130,12 +88,11 @@ async def test_killed_decode_worker_migrates_and_is_marked_unhealthy() -> None:
     c = await start_fake_cluster(decodes=[{"step_s": 0.05}, {"step_s": 0.001}])
     try:
         lc = make(c, max_tokens=12)
-        got: list[int] = []
-        async for tok in lc.run():
-            got.append(tok.token_id)
-            if len(got) == 3:
-                await c.kill("decode-0")
-        assert got == expected(PROMPT, 12)
+
+        async def kill(_: RequestLifecycle) -> None:
+            await c.kill("decode-0")
+
+        assert await collect_acting(lc, 3, kill) == expected(PROMPT, 12)
         assert lc.num_migrations >= 1
         await wait_until(lambda: not c.pool.get("decode-0").healthy)  # type: ignore[union-attr]
     finally:

@@ -4,7 +4,7 @@ each is an OpenAI-style 400 naming the field and the limit."""
 from __future__ import annotations
 
 import pytest
-from test_http_gateway import MSGS, assert_openai_error, env
+from test_http_gateway import assert_openai_error, env, post_with
 
 from pdserve.structured.limits import MAX_CHOICES, MAX_REGEX_SIZE
 from pdserve.tokenizer import Tokenizer
@@ -27,8 +27,7 @@ async def test_costly_structured_output_is_refused_at_the_router(
     tokenizer: Tokenizer, path: str, field: str, value: object, limit: int
 ) -> None:
     async with env(tokenizer) as e:
-        prompt = {"messages": MSGS} if "chat" in path else {"prompt": "hi"}
-        r = await e.client.post(path, json={**prompt, field: value, "max_tokens": 4})
+        r = await post_with(e, path, field, value)
         assert str(limit) in assert_openai_error(r, 400, field)["message"]
         assert not e.cluster.decodes[0].requests and not e.cluster.prefills[0].requests
 
