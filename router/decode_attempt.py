@@ -15,7 +15,7 @@ import grpc
 from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
 from router.pool import WorkerPool, WorkerState
-from router.worker_client import cancelled_by_caller, channel_closed
+from router.worker_client import unless_closed
 
 # Errors that mean "this worker is (probably) down", as opposed to "busy" or "bad request".
 WORKER_DOWN = frozenset(
@@ -77,13 +77,8 @@ async def read_event(call: grpc.aio.UnaryStreamCall, timeout_s: float, worker_id
     cancellation that arrives just as the read completes, so a sequence whose client left would
     keep decoding to max_tokens. ``asyncio.timeout`` always delivers the cancellation.
     """
-    async with asyncio.timeout(timeout_s):
-        try:
-            return await call.read()
-        except asyncio.CancelledError:
-            if cancelled_by_caller():  # the caller's own cancellation, or the timeout's
-                raise
-            raise channel_closed(worker_id) from None
+    async with asyncio.timeout(timeout_s):  # its cancellation counts as the caller's
+        return await unless_closed(call.read(), worker_id)
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import grpc
 
@@ -34,6 +36,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
+_T = TypeVar("_T")
 ROLES = ("prefill", "decode")
 
 
@@ -51,6 +54,17 @@ def channel_closed(worker_id: str) -> grpc.aio.AioRpcError:
         grpc.aio.Metadata(),
         details=f"the router closed its channel to worker {worker_id} during the call",
     )
+
+
+async def unless_closed(call: Awaitable[_T], worker_id: str) -> _T:
+    """``await call``; a cancellation that is not the caller's own (the channel to
+    ``worker_id`` was closed under the call) is raised as :func:`channel_closed` instead."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if cancelled_by_caller():
+            raise
+        raise channel_closed(worker_id) from None
 
 
 class WorkerClient:
@@ -82,12 +96,9 @@ class WorkerClient:
     async def prefill(self, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
         """Run one prefill. Raises grpc.aio.AioRpcError on failure or after ``timeout_s``
         (UNAVAILABLE when the channel is closed during the call)."""
-        try:
-            return await self._prefill.Prefill(request, timeout=timeout_s)
-        except asyncio.CancelledError:
-            if cancelled_by_caller():
-                raise
-            raise channel_closed(self.worker_id) from None
+        return await unless_closed(
+            self._prefill.Prefill(request, timeout=timeout_s), self.worker_id
+        )
 
     def decode(self, request: pb.DecodeRequest) -> grpc.aio.UnaryStreamCall:
         """Open a Decode stream; read it with ``await call.read()`` (``grpc.aio.EOF`` at the end).
