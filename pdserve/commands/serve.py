@@ -19,7 +19,7 @@ import asyncio
 import logging
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,21 +231,6 @@ def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _with_router_flags(line: Callable[[str], None], flags: Sequence[str]) -> Callable[[str], None]:
-    """``line`` (a progress printer) that adds ``flags`` to the cluster's "more routers:" hint
-    (router/cluster/ray_join.py's ``join_hint``) before any note that follows the command."""
-    if not flags:
-        return line
-
-    def print_line(text: str) -> None:
-        if text.startswith("more routers: "):
-            command, sep, note = text.partition("   (")
-            text = f"{command} {' '.join(flags)}{sep}{note}"
-        line(text)
-
-    return print_line
-
-
 # -- running ----------------------------------------------------------------------------------------
 
 
@@ -324,11 +309,12 @@ async def serve_async(
             cpus_per_worker=plan.cpus_per_worker,
             prefill_resources=plan.prefill_resources,
             decode_resources=plan.decode_resources,
+            router_flags=plan.router_flags,
         ),
         pool,
         ray_address=s.ray_address,
         actor_classes=actor_classes or worker_actor_classes(),
-        progress=_with_router_flags(progress.line, plan.router_flags),
+        progress=progress.line,
         on_worker_ready=progress.worker_ready,
     )
     tokenizer = await tokenizer_task

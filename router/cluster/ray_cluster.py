@@ -67,6 +67,7 @@ class ClusterSpec:
     replace_after_s: float = 120.0
     drain_s: float = 5.0
     drain_timeout_s: float = 120.0
+    router_flags: tuple[str, ...] = ()  # what a joining router must repeat (join_hint)
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
 
@@ -218,7 +219,9 @@ class RayCluster:
                 self._init_local_ray()
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
             self._progress(f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s")
-            self._progress(join_hint(self.gcs_address, self.spec.engine.load.model))
+            self._progress(
+                join_hint(self.gcs_address, self.spec.engine.load.model, self.spec.router_flags)
+            )
         self._gpus = gpus_per_worker(self.spec)
 
     def _init_local_ray(self, attempts: int = 2) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -99,15 +100,18 @@ def join(address: str, namespace: str, **init_kwargs: Any) -> None:
         ) from None
 
 
-def join_hint(address: str, model: str | None = None) -> str:
+def join_hint(address: str, model: str | None = None, flags: Sequence[str] = ()) -> str:
     """How to join this cluster from another process, as one line for the startup banner.
 
     ``model``: the ``--model`` the workers serve; the joining router needs the same one for its
-    tokenizer and model name (its default is the bundled model).
+    tokenizer and model name (its default is the bundled model). ``flags``: further arguments
+    the joining router must repeat (already shell-quoted).
     """
     line = f"more routers: pdserve router --ray-address {address}"
     if model is not None and model != "smollm2":
         line += f" --model {shlex.quote(model)}"
+    if flags:
+        line += " " + " ".join(flags)
     if env.ray_auth_mode() == "token":
         line += (
             f"   (Ray token auth is on: from another machine also set {env.RAY_AUTH_MODE}=token "
