@@ -63,7 +63,8 @@ PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requ
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Output tokens streamed to clients.")
 CACHED_PROMPT_TOKENS = Counter(
     "pdserve_prefix_cache_hit_tokens",
-    "Prompt tokens served from a prefix cache (a prefill worker's, or in unified mode the decode worker's).",
+    "Prompt tokens served from a prefix cache (a prefill worker's, or in unified mode the decode "
+    "worker's).",
 )
 REQUESTS_FINISHED = Counter(
     "pdserve_requests_finished", "Sequences that ended, by finish reason.", ["finish_reason"]

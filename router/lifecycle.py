@@ -5,8 +5,9 @@ It places the sequence on a decode worker (a :class:`~router.decode_attempt.Deco
 prefills it on a prefill worker (or locally on the decode worker in unified mode), follows the
 decode stream, and re-places it after a preemption, a lost worker or a failed prefill, within
 the retry budgets of :class:`LifecycleConfig`. A prefill worker that failed the sequence as if
-down is not tried again for it; with no other prefill worker left, the decode worker prefills. Usage: iterate :meth:`RequestLifecycle.run` (an
-async generator of ``SampledToken``); when it ends, ``finish_reason`` is "stop" or "length".
+down is not tried again for it; with no other prefill worker left, the decode worker prefills.
+Usage: iterate :meth:`RequestLifecycle.run` (an async generator of ``SampledToken``); when it
+ends, ``finish_reason`` is "stop" or "length".
 Closing the generator early (``aclose()`` or task cancellation) aborts the sequence.
 
 NOTE: a little over 450 lines on purpose: the transitions of one state machine read best in one

@@ -292,8 +292,8 @@ ALWAYS_INLINE vf oct_sum(vf a, vf b) {
 
 /* s[g * ss + j] = sscale * (q_g . k_j) for the `cnt` tokens of a tile (K rows at kp, `step`
  * bytes apart), G query heads; lanes past cnt (up to the next multiple of VW) get junk that the
- * caller overwrites or masks. With 16-float vectors the scores of 16 tokens are reduced together (pair_sum,
- * quad_sum, oct_sum); otherwise one horizontal sum per score. */
+ * caller overwrites or masks. With 16-float vectors the scores of 16 tokens are reduced
+ * together (pair_sum, quad_sum, oct_sum); otherwise one horizontal sum per score. */
 ALWAYS_INLINE void tile_scores(const int G, const int dtype, const int D, const char *kp,
                                int64_t step, int cnt, const float *qf, const uint16_t *qb,
                                float sscale, float *s, int64_t ss) {
