@@ -18,6 +18,8 @@ Variables (all optional):
   ``gcc``, found on ``PATH``).
 - ``PDSERVE_CPU_SKINNY_GEMM``: ``0`` turns off the few-row fp32 and bf16 linear kernels
   (pdserve/model/cpu_linear.py) and with them the second copy of the weights they hold.
+- ``PDSERVE_CPU_SAMPLING_KERNEL``: ``0`` makes the sampler use its torch path on the CPU instead
+  of the C race and argmax kernel (pdserve/sampling_cpu.py).
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -45,6 +47,7 @@ KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CC = "CC"
 CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
+CPU_SAMPLING_KERNEL = "PDSERVE_CPU_SAMPLING_KERNEL"
 
 
 def _get(name: str) -> str | None:
@@ -122,7 +125,18 @@ def c_compiler() -> str | None:
 
 def cpu_skinny_gemm() -> bool:
     """False when ``PDSERVE_CPU_SKINNY_GEMM`` is ``0``, ``false``, ``no`` or ``off``; else True."""
-    return (_get(CPU_SKINNY_GEMM) or "1").lower() not in ("0", "false", "no", "off")
+    return _flag(CPU_SKINNY_GEMM)
+
+
+def cpu_sampling_kernel() -> bool:
+    """False when ``PDSERVE_CPU_SAMPLING_KERNEL`` is ``0``, ``false``, ``no`` or ``off``; else
+    True."""
+    return _flag(CPU_SAMPLING_KERNEL)
+
+
+def _flag(name: str) -> bool:
+    """An on/off variable that defaults to on: off for ``0``, ``false``, ``no`` or ``off``."""
+    return (_get(name) or "1").lower() not in ("0", "false", "no", "off")
 
 
 def log_level() -> int:

@@ -56,6 +56,7 @@ from itertools import chain
 import torch
 
 from pdserve.engine.batch import ScheduledSeq
+from pdserve.sampling_cpu import cpu_argmax, cpu_race, kernel_can_read
 from pdserve.sampling_masks import apply_bias_and_allowed, apply_grammar
 from pdserve.sampling_params import SamplingError, SamplingParams
 from pdserve.structured.spec import StructuredOutputError
@@ -87,6 +88,13 @@ def _modifies_logits(s: ScheduledSeq) -> bool:
         or p.allowed_token_ids is not None
         or s.grammar is not None
     )
+
+
+def _expect(tokens: torch.Tensor | None) -> torch.Tensor:
+    """A kernel result the caller made sure it can compute (:func:`kernel_can_read`)."""
+    if tokens is None:
+        raise RuntimeError("the CPU sampling kernel refused logits it said it could read")
+    return tokens
 
 
 # Columns per block of the two-level argmax (speed only; any value gives the same indices).
@@ -188,14 +196,65 @@ class Sampler:
         if n == 0:
             self._check_shape(logits, 0)
             return []
-        logits = self._check_shape(logits, n)
         params = [s.sampling for s in seqs]
-
         lp_rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
-        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
-
-        x = self._processed(logits, seqs)
         greedy = [_is_greedy(p) for p in params]
+        tokens = self._kernel_tokens(logits, seqs, greedy) if not lp_rows else None
+        raw_logprobs = None
+        if tokens is None:
+            logits = self._check_shape(logits, n)
+            if lp_rows:
+                raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1)
+            tokens = self._torch_tokens(logits, seqs, greedy)
+
+        out = self._results(tokens, raw_logprobs, lp_rows, params)
+        for s, t in zip(seqs, out, strict=True):
+            if s.grammar is not None and not s.grammar.error:
+                try:
+                    s.grammar.advance([t.token_id])
+                except StructuredOutputError:
+                    pass  # the matcher is now in its error state: the next step allows only EOS
+        return out
+
+    def _kernel_tokens(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], greedy: list[bool]
+    ) -> torch.Tensor | None:
+        """Tokens [n] int64 from the C kernel (:mod:`pdserve.sampling_cpu`), reading ``logits``
+        in place, for a batch whose rows need neither logprobs nor any processing or truncation
+        (greedy, or plain temperature sampling); None when that does not hold or the kernel
+        cannot read ``logits``. The draws are the torch path's (the same noise, same race) up
+        to rounding in the block keys."""
+        self._check_shape(logits, len(seqs), convert=False)
+        for s, g in zip(seqs, greedy, strict=True):
+            p = s.sampling
+            if _modifies_logits(s) or not (
+                g or (p.top_p >= 1.0 and p.min_p <= 0 and not 0 < p.top_k < self.vocab_size)
+            ):
+                return None
+        if not kernel_can_read(logits, self.vocab_size):
+            return None
+        n, vocab = len(seqs), self.vocab_size
+        g_rows = [i for i in range(n) if greedy[i]]
+        s_rows = [i for i in range(n) if not greedy[i]]
+        tokens = torch.empty(n, dtype=torch.int64)
+        if g_rows:
+            sub = logits if len(g_rows) == n else logits[g_rows]
+            tokens[g_rows] = _expect(cpu_argmax(sub, vocab))
+        if s_rows:
+            s_seqs = [seqs[i] for i in s_rows]
+            sub = logits if len(s_rows) == n else logits[s_rows]
+            nb = -(-vocab // RACE_BLOCK)
+            noise = self._gumbel(s_seqs, nb + RACE_BLOCK, logits.device)
+            temps = [s.sampling.temperature for s in s_seqs]
+            tokens[s_rows] = _expect(cpu_race(sub, vocab, temps, noise, RACE_BLOCK))
+        return tokens
+
+    def _torch_tokens(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], greedy: list[bool]
+    ) -> torch.Tensor:
+        """Tokens [n] int64 by the torch path: ``logits`` fp32 [n, vocab] (unprocessed)."""
+        n = len(seqs)
+        x = self._processed(logits, seqs)
         if all(greedy):
             tokens = row_argmax(x)
         else:
@@ -208,15 +267,7 @@ class Sampler:
             sub = x if len(s_rows) == n else x[s_rows]
             x_s = self._truncated_logits(sub, [p.sampling for p in s_seqs])
             tokens[s_rows] = self._race(x_s, s_seqs)
-
-        out = self._results(tokens, raw_logprobs, lp_rows, params)
-        for s, t in zip(seqs, out, strict=True):
-            if s.grammar is not None and not s.grammar.error:
-                try:
-                    s.grammar.advance([t.token_id])
-                except StructuredOutputError:
-                    pass  # the matcher is now in its error state: the next step allows only EOS
-        return out
+        return tokens
 
     def processed_logits(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Logits after penalties and the ``min_tokens`` mask, before temperature: [n, vocab] fp32,
@@ -240,14 +291,15 @@ class Sampler:
                 out[i] = self._truncated_logits(x[i : i + 1], [s.sampling])[0].softmax(dim=-1)
         return out
 
-    def _check_shape(self, logits: torch.Tensor, n: int) -> torch.Tensor:
-        """``logits`` [n, >= vocab] -> float32 [n, vocab] (padding columns dropped)."""
+    def _check_shape(self, logits: torch.Tensor, n: int, convert: bool = True) -> torch.Tensor:
+        """``logits`` [n, >= vocab] -> float32 [n, vocab] (padding columns dropped); with
+        ``convert=False`` only checked and returned as they are. Raises ValueError."""
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not fit {n} sequences x vocab "
                 f"{self.vocab_size}"
             )
-        return logits[:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size].float() if convert else logits
 
     def _processed(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Penalties and the min_tokens mask applied to a copy of ``logits`` [n, vocab]; when no

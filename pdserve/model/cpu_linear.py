@@ -54,10 +54,10 @@ SKINNY_PANEL = 16
 # 1.38x oneDNN at 16 rows, 1.17x at 32, even at 64, 0.78x at 256).
 SKINNY_MAX_ROWS = 32
 # The row counts (inclusive) each dtype's kernel runs; the rest go to oneDNN. bf16 (measured on a
-# Zen 4 EPYC, one thread, bench/skinny_gemm.py): below 9 rows oneDNN streams the weight faster
-# (0.7-0.95x at 1-8 rows) and the kernel only pays where it is bound by its dot products (1.16-1.23x
-# at 16 rows, 1.08x at 32, even at 64).
-SKINNY_ROWS = {torch.float32: (1, SKINNY_MAX_ROWS), torch.bfloat16: (9, SKINNY_MAX_ROWS)}
+# Zen 4 EPYC, one thread, bench/skinny_gemm.py, SmolLM2-135M's 30 layers and LM head): since the
+# kernel keeps only a block's own rows' accumulators (one compiled block per row count), it is
+# 1.47x oneDNN at 1 row, 1.30x at 4, 1.40x at 12, 1.21x at 16, 1.15x at 24 and even at 32.
+SKINNY_ROWS = {torch.float32: (1, SKINNY_MAX_ROWS), torch.bfloat16: (1, SKINNY_MAX_ROWS)}
 # the C entry point and the CPU feature it needs, per weight dtype
 _SKINNY_FUNCS = {
     torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F"),

@@ -194,6 +194,24 @@ def test_skinny_bf16_linear_matches_dense(rows: int, n: int, k: int, threads: in
 
 
 @pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_every_row_count(dtype: torch.dtype) -> None:
+    """The kernel has one compiled block per row count 1 .. 16: each, and 16 + each, is right."""
+    if dtype == torch.bfloat16 and not has_skinny_bf16:
+        pytest.skip(f"skinny kernel unavailable: {skinny_reason(torch.bfloat16)}")
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(35, 64, generator=gen).to(dtype), torch.randn(35, generator=gen).to(dtype)
+    panels = skinny_pack(w)
+    for rows in range(1, 34):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        y = skinny_linear(x, panels, 35, b)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        else:
+            _within_one_bf16_rounding(y, x, w, b)
+
+
+@pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
 def test_skinny_linear_rejects_what_does_not_fit() -> None:
     w, x = torch.randn(40, 24), torch.randn(3, 24)
     panels = skinny_pack(w)
