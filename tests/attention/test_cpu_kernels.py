@@ -1,4 +1,5 @@
-"""The C paged decode kernel against attention by definition (float64) on random paged pools."""
+"""The C paged decode and prefill kernels against attention by definition (float64) on random
+paged pools."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from attention_pools import shuffled_block_tables
 from pdserve import env
 from pdserve.attention import cpu_kernels
 from pdserve.attention.cpu_build import find_compiler, load_library
-from pdserve.attention.cpu_kernels import DecodeBatch
+from pdserve.attention.cpu_kernels import DecodeBatch, PrefillBatch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -231,3 +232,148 @@ def test_narrower_vector_builds_match_definition(
         for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (12, 1, 40, 8)]:
             pool = Pool([1, 17, 300], heads, kv_heads, head_dim, block_size, dtype, dtype)
             assert pool.error(pool.run(num_threads=1)) < tolerance(dtype), (dtype, heads)
+        chunks = Chunks([(0, 40), (100, 7), (0, 1)], 9, 3, 64, 16, dtype, dtype)
+        assert chunks.error(chunks.run(num_threads=1)) < tolerance(dtype), dtype
+
+
+# ---------------------------------------------------------------------------- the prefill kernel
+
+
+class Chunks:
+    """Prefill chunks (``computed`` tokens already in the pool, then ``q_len`` query rows) in one
+    flat batch, their K/V (earlier tokens' and their own) in a pool of shuffled blocks."""
+
+    def __init__(
+        self,
+        spans: list[tuple[int, int]],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        lens = [c + n for c, n in spans]
+        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        rows = sum(n for _, n in spans) + 2  # two rows no chunk owns
+        self.q = torch.randn(rows, heads, head_dim, generator=gen).to(q_dtype)
+        self.spans, self.block_size, self.scale = spans, block_size, head_dim**-0.5
+        self.starts = [sum(n for _, n in spans[:i]) + 1 for i in range(len(spans))]
+
+    def batch(self) -> PrefillBatch:
+        return PrefillBatch.build(
+            self.starts,
+            [n for _, n in self.spans],
+            [c for c, _ in self.spans],
+            [torch.tensor(t) for t in self.tables],
+            self.block_size,
+        )
+
+    def run(self, num_threads: int | None = None) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        cpu_kernels.paged_prefill_attention(
+            self.q, self.k_cache, self.v_cache, self.batch(), out, self.scale, num_threads
+        )
+        return out
+
+    def reference(self, i: int) -> torch.Tensor:
+        """Chunk i's causal attention [q_len, heads, head_dim] by definition, in float64."""
+        (c, n), table, start = self.spans[i], self.tables[i], self.starts[i]
+        k = self.k_cache[table].flatten(0, 1)[: c + n].double()  # [c + n, kv_heads, D]
+        v = self.v_cache[table].flatten(0, 1)[: c + n].double()
+        q = self.q[start : start + n].double()  # [n, heads, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+        visible = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]  # [n, c + n]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", probs, v)
+
+    def error(self, out: torch.Tensor) -> float:
+        """max over chunks and rows of ||out_r - ref_r|| / ||ref_r||; rows no chunk owns must
+        be untouched (NaN)."""
+        errs = []
+        for i, (_, n) in enumerate(self.spans):
+            ref, got = self.reference(i), out[self.starts[i] : self.starts[i] + n].double()
+            errs.append(float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max()))
+        assert out[0].isnan().all() and out[-1].isnan().all()
+        return max(errs)
+
+
+# (computed, q_len): from position 0 (one token, a block, one past, a long prompt) and after
+# cached tokens (a prefix-cache hit mid-block, a chunk after a chunk)
+SPANS = [(0, 1), (0, 16), (0, 17), (0, 270), (33, 5), (100, 40), (16, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (16, 2, 32, 1), (12, 3, 48, 8)],
+)
+def test_prefill_matches_definition(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    chunks = Chunks(SPANS, heads, kv_heads, head_dim, block_size, dtype, dtype)
+    assert chunks.error(chunks.run(num_threads=1)) < tolerance(dtype)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "q_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_prefill_kv_dtype_may_differ_from_query(
+    kv_dtype: torch.dtype, q_dtype: torch.dtype
+) -> None:
+    chunks = Chunks(SPANS, 9, 3, 64, 16, kv_dtype, q_dtype)
+    assert chunks.error(chunks.run(num_threads=1)) < tolerance(q_dtype)
+
+
+def test_prefill_threads_agree_bit_for_bit() -> None:
+    chunks = Chunks(SPANS, 9, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=1)
+    one, two = chunks.run(num_threads=1), chunks.run(num_threads=2)
+    assert torch.equal(one[1:-1], two[1:-1])  # each (chunk, KV head, rows) item on its own
+
+
+def test_prefill_shapes_it_does_not_take_are_refused() -> None:
+    assert cpu_kernels.prefill_fits(9, 3, 64) and cpu_kernels.prefill_fits(8, 1, 128)
+    assert not cpu_kernels.prefill_fits(9, 1, 64)  # 9 query heads per KV head (at most 8)
+    assert not cpu_kernels.prefill_fits(8, 8, 40)  # head_dim not a multiple of 16
+    assert not cpu_kernels.prefill_fits(8, 8, 256)  # head_dim past 128
+    chunks = Chunks([(0, 5)], 8, 8, 40, 16, torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="unfit"):
+        chunks.run()
+
+
+def test_prefill_bad_arguments_are_named() -> None:
+    chunks = Chunks([(0, 20), (10, 3)], 9, 3, 64, 16, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="blocks of 16, its table has 1"):
+        PrefillBatch.build([0], [20], [0], [torch.tensor([0])], 16)
+    with pytest.raises(ValueError, match="one entry each"):
+        PrefillBatch.build([0, 1], [20], [0], [torch.tensor([0, 1])], 16)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        PrefillBatch.build([0], [2], [0], [torch.tensor([-1])], 16)
+    out = torch.empty_like(chunks.q)
+    small = chunks.k_cache[:1]
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_kernels.paged_prefill_attention(
+            chunks.q, small, small.clone(), chunks.batch(), out, 0.1
+        )
+    with pytest.raises(ValueError, match="rows"):
+        cpu_kernels.paged_prefill_attention(
+            chunks.q[:5], chunks.k_cache, chunks.v_cache, chunks.batch(), out[:5], 0.1
+        )
+    with pytest.raises(ValueError, match="blocks of"):
+        cpu_kernels.paged_prefill_attention(
+            chunks.q, chunks.k_cache.view(-1, 8, 3, 64), chunks.v_cache.view(-1, 8, 3, 64),
+            chunks.batch(), out, 0.1,
+        )  # fmt: skip

@@ -2,7 +2,8 @@
 
 - ``paged_decode.c``: paged decode attention (one query token per sequence) reading K/V in place
   through the block table, online softmax, GQA without repeating K/V, optional split-K; OpenMP
-  threads over (sequence, split).
+  threads over (sequence, split). And paged prefill attention (causal chunks, from position 0 or
+  after cached tokens), tiled as FlashAttention; OpenMP threads over (chunk, KV head, 16 rows).
 
 The source is compiled on first use (:mod:`pdserve.attention.cpu_build`); :func:`load` says
 whether that worked. A call passes data pointers and strides to the library (no torch C++
@@ -174,6 +175,22 @@ def _check(
     batch: DecodeBatch,
 ) -> None:
     """ValueError naming the first argument the kernel cannot take (cheap: once per layer)."""
+    _check_tensors(q, k_cache, v_cache, out, batch.block_size, batch.max_block_id)
+    qs = q.shape
+    if batch.max_row >= qs[0] or (batch.rows is None and qs[0] != batch.num_decodes):
+        raise ValueError(f"q has {qs[0]} rows, the batch reads {batch.num_decodes} decodes")
+
+
+def _check_tensors(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    max_block_id: int,
+) -> None:
+    """ValueError naming the first of the tensors a kernel cannot take, or a pool that does not
+    fit the batch (its block size, or a block id past its end)."""
     if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu):
         raise ValueError("q, k_cache, v_cache and out must be CPU tensors")
     if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
@@ -189,9 +206,127 @@ def _check(
         raise ValueError("k_cache and v_cache must be contiguous within each block, alike")
     if ks[3] != qs[2] or qs[1] % ks[2]:
         raise ValueError(f"q [.., {qs[1]}, {qs[2]}] does not fit caches [.., {ks[2]}, {ks[3]}]")
-    if ks[1] != batch.block_size:
-        raise ValueError(f"caches have blocks of {ks[1]}, the batch {batch.block_size}")
-    if batch.max_block_id >= ks[0]:
-        raise ValueError(f"block id {batch.max_block_id} is outside the pool ({ks[0]} blocks)")
-    if batch.max_row >= qs[0] or (batch.rows is None and qs[0] != batch.num_decodes):
-        raise ValueError(f"q has {qs[0]} rows, the batch reads {batch.num_decodes} decodes")
+    if ks[1] != block_size:
+        raise ValueError(f"caches have blocks of {ks[1]}, the batch {block_size}")
+    if max_block_id >= ks[0]:
+        raise ValueError(f"block id {max_block_id} is outside the pool ({ks[0]} blocks)")
+
+
+_PREFILL_ARGTYPES = [
+    _ptr, _c_int64, _c_int64, _c_int,  # q, q strides (token, head), q dtype
+    _ptr, _ptr, _c_int64, _c_int,  # k_cache, v_cache, block stride, kv dtype
+    _ptr, _c_int64,  # block tables, table row stride
+    _ptr, _ptr, _ptr, _c_int64,  # starts, q_lens, computed, num_spans
+    _ptr, _c_int64, _c_int64,  # out, out strides (token, head)
+    _c_int, _c_int, _c_int, _c_int,  # heads, kv_heads, head_dim, block_size
+    _c_float, _c_int,  # scale, num_threads
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """The prefill kernel's inputs that are the same for every layer of a step (CPU tensors).
+
+    starts, q_lens, computed: int64 [num_spans], each chunk's first query row, its number of
+    query rows (>= 1) and the tokens of its sequence already in the pool before it (its first
+    row sits at that position); block_tables: int32 [num_spans, max_blocks], each row covering
+    ``computed + q_len`` tokens. Build it with :meth:`build`, which checks all of this once.
+    """
+
+    starts: torch.Tensor
+    q_lens: torch.Tensor
+    computed: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    max_block_id: int
+    max_row: int  # one past the largest query row
+
+    @classmethod
+    def build(
+        cls,
+        starts: list[int],
+        q_lens: list[int],
+        computed: list[int],
+        block_tables: list[torch.Tensor],
+        block_size: int,
+    ) -> PrefillBatch:
+        """Raises ValueError when a length or a table does not fit."""
+        n = len(starts)
+        if not (len(q_lens) == len(computed) == len(block_tables) == n):
+            raise ValueError("starts, q_lens, computed and block_tables must have one entry each")
+        width = max((int(t.numel()) for t in block_tables), default=1)
+        tables = torch.zeros(n, max(1, width), dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            need = -(-(computed[i] + q_lens[i]) // block_size)
+            if q_lens[i] < 1 or computed[i] < 0 or t.numel() < need:
+                raise ValueError(
+                    f"chunk {i}: {q_lens[i]} query rows after {computed[i]} tokens need {need} "
+                    f"blocks of {block_size}, its table has {t.numel()}"
+                )
+            tables[i, : t.numel()] = t.to(torch.int32)
+        if n and int(tables.min()) < 0:
+            raise ValueError("block ids must be >= 0")
+        return cls(
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(q_lens, dtype=torch.int64),
+            torch.tensor(computed, dtype=torch.int64),
+            tables,
+            block_size,
+            int(tables.max()) if n else -1,
+            max((s + ql for s, ql in zip(starts, q_lens, strict=True)), default=0),
+        )
+
+
+def prefill_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`paged_prefill_attention` takes these shapes (the library loaded here, heads
+    a multiple of kv_heads with at most 8 query heads per KV head, head_dim a multiple of 16 up
+    to 128)."""
+    kl = load()
+    return kl.lib is not None and bool(kl.lib.pd_paged_prefill_fits(heads, kv_heads, head_dim))
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PrefillBatch,
+    out: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> None:
+    """Causal attention of every prefill chunk of ``batch`` into its rows of ``out``, reading K/V
+    from the caches through the chunks' block tables (the caller writes the chunks' own K/V
+    first). q, out, k_cache, v_cache as for :func:`paged_decode_attention`; rows of ``out``
+    outside the chunks are left untouched. The algorithm and its source: the kernel's comment
+    (``paged_decode.c``, "paged prefill attention").
+
+    Raises RuntimeError when the kernel library is unavailable or the shapes are not ones it
+    takes (:func:`prefill_fits`), ValueError for a shape, dtype, device or range mismatch,
+    MemoryError when its work list cannot be allocated.
+    """
+    kl = load()
+    if kl.lib is None:
+        raise RuntimeError(f"paged prefill kernel unavailable: {kl.reason}")
+    fn = kl.lib.pd_paged_prefill
+    if fn.argtypes is None:
+        fn.argtypes = _PREFILL_ARGTYPES
+        fn.restype = ctypes.c_int
+    _check_tensors(q, k_cache, v_cache, out, batch.block_size, batch.max_block_id)
+    qs, ks = q.shape, k_cache.shape
+    if batch.max_row > qs[0]:
+        raise ValueError(f"q has {qs[0]} rows, the chunks read up to row {batch.max_row - 1}")
+    if batch.starts.numel() == 0:
+        return
+    q_st, o_st = q.stride(), out.stride()
+    rc = fn(
+        q.data_ptr(), q_st[0], q_st[1], _DTYPES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), _DTYPES[k_cache.dtype],
+        batch.block_tables.data_ptr(), batch.block_tables.shape[1],
+        batch.starts.data_ptr(), batch.q_lens.data_ptr(), batch.computed.data_ptr(),
+        batch.starts.numel(), out.data_ptr(), o_st[0], o_st[1],
+        qs[1], ks[2], qs[2], ks[1], scale, num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise RuntimeError(f"paged prefill kernel: shapes q {list(qs)}, caches {list(ks)} unfit")
+    if rc != 0:
+        raise MemoryError("paged prefill kernel: out of memory for its work list")

@@ -657,3 +657,192 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
     free(part);
     return 0;
 }
+
+/* ==== paged prefill attention ================================================================
+ *
+ * Causal attention of prefill chunks (many query tokens per sequence), K/V read in place from the
+ * pool through each chunk's block table, so a chunk after cached tokens (prefix-cache hit,
+ * chunked prefill) and a chunk from position 0 take the same path. The FlashAttention loop
+ * (Dao et al., "FlashAttention", 2022, Algorithm 1) on one core: a work item is (chunk, KV head,
+ * PQ query rows), i.e. the G query heads sharing that KV head for PQ consecutive positions (G x PQ
+ * query vectors, kept in fp32, pre-scaled); keys go in tiles of PK tokens up to the item's last
+ * position. Per tile, K is transposed into [D][PK] floats once, so each query vector's PK scores
+ * are D vector multiply-adds with no horizontal sums (four query vectors at a time, for
+ * independent chains); then one online-softmax update per query vector (keys past its position
+ * get weight 0) and the weighted sum of the tile's V rows into its fp32 accumulator.
+ *
+ * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
+ * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA.
+ */
+
+#define PQ 16                 /* query rows per work item */
+#define PK 16                 /* keys per tile */
+#define PKV (PK / VW)         /* vectors per tile row of scores */
+#define PF_MAX_D 128          /* largest head_dim */
+#define PF_MAX_NQ (8 * PQ)    /* largest G x PQ (G <= 8) */
+#define PF_QB (VW == 16 ? 8 : 4) /* query vectors scored together (independent chains) */
+
+typedef struct {
+    int64_t span, kvh, t0;
+} PrefillItem;
+
+/* a [D] += sum over the tile's first `see` keys of p[j] * V[j] [D]: the D / VW accumulators stay in
+ * registers (D a constant where inlined) as independent chains over the keys */
+ALWAYS_INLINE void pv_tile(float *a, const float *p, const float *V, int see, const int D) {
+    vf o[PF_MAX_D / VW];
+    for (int x = 0; x < D / VW; x++) memcpy(&o[x], a + x * VW, sizeof(vf));
+    for (int jj = 0; jj < see; jj++) {
+        const float pj = p[jj];
+        for (int x = 0; x < D / VW; x++) {
+            vf vv;
+            memcpy(&vv, V + jj * D + x * VW, sizeof vv);
+            o[x] += pj * vv;
+        }
+    }
+    for (int x = 0; x < D / VW; x++) memcpy(a + x * VW, &o[x], sizeof(vf));
+}
+
+/* One work item: query rows [t0, t0 + nr) of a chunk whose first row sits at position `first`
+ * (tokens already in the pool before it), KV head kvh. */
+static void prefill_item(const Cache *c, int G, int D, const int32_t *table, const char *q,
+                         int64_t q_tok, int64_t q_head, int q_dtype, int64_t first, int64_t t0,
+                         int nr, int kvh, float scale, char *out, int64_t o_tok, int64_t o_head) {
+    float Q[PF_MAX_NQ * PF_MAX_D] __attribute__((aligned(64)));
+    float acc[PF_MAX_NQ * PF_MAX_D] __attribute__((aligned(64)));
+    float Kt[PF_MAX_D * PK] __attribute__((aligned(64)));
+    float V[PK * PF_MAX_D] __attribute__((aligned(64)));
+    float m[PF_MAX_NQ], l[PF_MAX_NQ];
+    int64_t pos[PF_MAX_NQ];
+    const int nq = G * nr, qes = elem_size(q_dtype), kes = elem_size(c->kv_dtype);
+    /* query vector iq = r * G + g: row t0 + r, head kvh * G + g */
+    for (int iq = 0; iq < nq; iq++) {
+        const int r = iq / G, g = iq % G;
+        const char *src = q + ((t0 + r) * q_tok + (int64_t)(kvh * G + g) * q_head) * qes;
+        for (int d = 0; d < D; d++) Q[iq * D + d] = scale * load_one(src, d, q_dtype);
+        for (int d = 0; d < D; d++) acc[iq * D + d] = 0.0f;
+        m[iq] = -INFINITY;
+        l[iq] = 0.0f;
+        pos[iq] = first + t0 + r;
+    }
+    const int64_t last = first + t0 + nr - 1; /* the item's last position: keys 0 .. last */
+    for (int64_t j0 = 0; j0 <= last; j0 += PK) {
+        const int nk = last + 1 - j0 < PK ? (int)(last + 1 - j0) : PK;
+        for (int jj = 0; jj < PK; jj++) {
+            if (jj < nk) {
+                const int64_t off = row_offset(c, table, j0 + jj) / kes + (int64_t)kvh * D;
+                for (int d = 0; d < D; d += VW) {
+                    const vf kx = load_vec(c->k + (off + d) * kes, c->kv_dtype);
+                    for (int e = 0; e < VW; e++) Kt[(d + e) * PK + jj] = kx[e];
+                    const vf vx = load_vec(c->v + (off + d) * kes, c->kv_dtype);
+                    memcpy(V + jj * D + d, &vx, sizeof vx);
+                }
+            } else {
+                for (int d = 0; d < D; d++) Kt[d * PK + jj] = 0.0f;
+                for (int d = 0; d < D; d++) V[jj * D + d] = 0.0f;
+            }
+        }
+        for (int i0 = 0; i0 < nq; i0 += PF_QB) {
+            const int nb = nq - i0 < PF_QB ? nq - i0 : PF_QB;
+            if (pos[i0 + nb - 1] < j0) continue; /* positions grow with iq: all masked */
+            vf s[PF_QB][PKV];
+            const float *qrow[PF_QB];
+            for (int b = 0; b < PF_QB; b++) {
+                qrow[b] = Q + (i0 + (b < nb ? b : 0)) * D; /* rows past nb repeat row 0 */
+                for (int kv = 0; kv < PKV; kv++) s[b][kv] = (vf){0};
+            }
+            for (int d = 0; d < D; d++)
+                for (int kv = 0; kv < PKV; kv++) {
+                    vf kt;
+                    memcpy(&kt, Kt + d * PK + kv * VW, sizeof kt);
+                    for (int b = 0; b < PF_QB; b++) s[b][kv] += qrow[b][d] * kt;
+                }
+            for (int b = 0; b < nb; b++) {
+                const int iq = i0 + b;
+                if (pos[iq] < j0) continue;
+                /* lanes of keys past this query's position (or past the tile) get weight 0 */
+                const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
+                vf mv = (vf){0} - INFINITY;
+                vu32 live[PKV];
+                for (int kv = 0; kv < PKV; kv++) {
+                    vu32 lane;
+                    for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(kv * VW + e);
+                    live[kv] = (vu32)(lane < (uint32_t)see);
+                    s[b][kv] = vselect(live[kv], s[b][kv], (vf){0} - INFINITY);
+                    mv = vselect((vu32)(s[b][kv] > mv), s[b][kv], mv);
+                }
+                const float mt = hmax(mv) > m[iq] ? hmax(mv) : m[iq];
+                const float alpha = expf(m[iq] - mt); /* 0 on the first tile */
+                float *a = acc + iq * D;
+                if (alpha != 1.0f)
+                    for (int d = 0; d < D; d++) a[d] *= alpha;
+                float p[PK] __attribute__((aligned(64)));
+                vf sum = (vf){0};
+                for (int kv = 0; kv < PKV; kv++) {
+                    const vf w = vselect(live[kv], exp_nonpos_v(s[b][kv] - mt), (vf){0});
+                    sum += w;
+                    memcpy(p + kv * VW, &w, sizeof w);
+                }
+                l[iq] = l[iq] * alpha + hsum(sum);
+                m[iq] = mt;
+                if (D == 64)
+                    pv_tile(a, p, V, (int)see, 64);
+                else
+                    pv_tile(a, p, V, (int)see, D);
+            }
+        }
+    }
+    for (int iq = 0; iq < nq; iq++) {
+        const int r = iq / G, g = iq % G;
+        char *dst = out + ((t0 + r) * o_tok + (int64_t)(kvh * G + g) * o_head) * qes;
+        const float inv = 1.0f / l[iq];
+        for (int d = 0; d < D; d++) store_one(dst, d, acc[iq * D + d] * inv, q_dtype);
+    }
+}
+
+/* Whether pd_paged_prefill takes these shapes: 1 when it does, else 0 (the caller falls back). */
+int pd_paged_prefill_fits(int heads, int kv_heads, int head_dim) {
+    return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads * PQ <= PF_MAX_NQ &&
+           head_dim % 16 == 0 && head_dim <= PF_MAX_D;
+}
+
+/* Causal prefill attention of num_spans chunks in one call.
+ * q, out: [rows, heads, head_dim] (token and head strides in elements, head_dim contiguous), of
+ * q_dtype. Chunk i has query rows [starts[i], starts[i] + q_lens[i]) at positions
+ * computed[i] + 0, 1, ...; it attends keys 0 .. its position, read from k, v ([blocks,
+ * block_size, kv_heads, head_dim], kv_dtype, block stride blk_stride elements) through table row
+ * i (tables + i * table_stride, int32 block ids), which must already hold the chunk's own K/V.
+ * Shapes must satisfy pd_paged_prefill_fits. Returns 0, -1 when scratch memory ran out, -2 for
+ * shapes it does not take. */
+int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride, int q_dtype,
+                     const void *k, const void *v, int64_t blk_stride, int kv_dtype,
+                     const int32_t *tables, int64_t table_stride, const int64_t *starts,
+                     const int64_t *q_lens, const int64_t *computed, int64_t num_spans,
+                     void *out, int64_t o_tok_stride, int64_t o_head_stride, int heads,
+                     int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    if (!pd_paged_prefill_fits(heads, kv_heads, head_dim)) return -2;
+    const Cache c = {(const char *)k, (const char *)v, blk_stride, (int64_t)kv_heads * head_dim,
+                     kv_dtype, kv_heads, head_dim, block_size};
+    const int G = heads / kv_heads;
+    int64_t n_items = 0;
+    for (int64_t i = 0; i < num_spans; i++) n_items += (q_lens[i] + PQ - 1) / PQ * kv_heads;
+    PrefillItem *items = malloc(sizeof(PrefillItem) * (size_t)(n_items ? n_items : 1));
+    if (!items) return -1;
+    int64_t n = 0;
+    /* longest-first: the last rows of a chunk see the most keys */
+    for (int64_t i = 0; i < num_spans; i++)
+        for (int64_t t0 = (q_lens[i] - 1) / PQ * PQ; t0 >= 0; t0 -= PQ)
+            for (int64_t h = 0; h < kv_heads; h++) items[n++] = (PrefillItem){i, h, t0};
+    (void)num_threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t it = 0; it < n_items; it++) {
+        const PrefillItem w = items[it];
+        const int64_t start = starts[w.span], left = q_lens[w.span] - w.t0;
+        const char *qs = (const char *)q + start * q_tok_stride * elem_size(q_dtype);
+        char *os = (char *)out + start * o_tok_stride * elem_size(q_dtype);
+        prefill_item(&c, G, head_dim, tables + w.span * table_stride, qs, q_tok_stride,
+                     q_head_stride, q_dtype, computed[w.span], w.t0, left < PQ ? (int)left : PQ,
+                     (int)w.kvh, scale, os, o_tok_stride, o_head_stride);
+    }
+    free(items);
+    return 0;
+}
