@@ -3,7 +3,8 @@
 Lifecycle of one source (e.g. ``cpu_kernels/paged_decode.c``) in a process:
 
 1. :func:`load_library` looks for ``<cache>/<stem>-<key>.so``. The key hashes everything the
-   binary depends on: the source text, the compiler (command, ``--version``, target triple),
+   binary depends on: the source text (with the files it includes by ``#include "..."``), the
+   compiler (command, ``--version``, target triple),
    the flags, and the CPU (``-march=native`` code is only valid on a CPU with the same
    features), so a cache shared by machines or compilers never hands out a wrong binary.
 2. Missing: the compiler (``CC``, else ``cc``, else ``gcc`` on ``PATH``) writes a temporary file
@@ -26,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -108,6 +110,30 @@ def _compiler_identity(cc: list[str]) -> str:
     return "\n".join(out)
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(src: Path) -> bytes:
+    """``src``'s bytes followed by those of every file it includes with ``#include "..."``
+    (resolved next to the including file, recursively, each once): what the binary depends on.
+    Raises OSError when one cannot be read."""
+    seen: set[Path] = set()
+    parts: list[bytes] = []
+
+    def add(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        seen.add(path)
+        text = path.read_bytes()
+        parts.append(text)
+        for name in _LOCAL_INCLUDE.findall(text):
+            add(path.parent / name.decode())
+
+    add(src)
+    return b"\0".join(parts)
+
+
 def _cache_key(source: bytes, cc_identity: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for part in (source, cc_identity.encode(), " ".join(flags).encode(), _cpu_identity().encode()):
@@ -146,7 +172,7 @@ def _build(src: Path, cache_dir: Path) -> KernelLibrary:
     if cc is None:
         return KernelLibrary(None, why)
     try:
-        source = src.read_bytes()
+        source = source_text(src)
         identity = _compiler_identity(cc)
     except (OSError, subprocess.SubprocessError) as e:
         return KernelLibrary(None, f"cannot use C compiler {shlex.join(cc)}: {e}")

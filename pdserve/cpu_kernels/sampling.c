@@ -16,27 +16,15 @@
  * (the first maximal key; a block whose logits are all -inf never wins), then
  * argmax_j x[bB + j] / t + g[nb + j] over that block's tokens picks the token. Positions past
  * the vocabulary in the last block count as -inf. logsumexp = m + log(sum exp(v - m)), m the
- * block's max, exp by the polynomial below (relative error ~2e-7): the keys differ from torch's
+ * block's max, exp by vec_math.h's polynomial (relative error ~2e-7): the keys differ from torch's
  * by rounding only, so a seeded draw can differ from the torch path's only where two keys tie
  * to within that rounding.
  *
  * Argmax: the first index of the row's maximum, NaN counting as maximal (torch's convention).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "vec_math.h"
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
 #define MAX_BLOCK 4096 /* largest race block (floats of a row kept on the stack) */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 enum { PD_F32 = 0, PD_BF16 = 1 };
 
@@ -57,41 +45,8 @@ static void load_row(const void *src, int dtype, int64_t n, int64_t to, float t,
     for (int64_t j = n; j < to; j++) dst[j] = -INFINITY;
 }
 
-/* lanes of a where mask is set (all ones), else of b */
-static inline vf vselect(vi mask, vf a, vf b) {
-    vi ab, bb;
-    memcpy(&ab, &a, sizeof ab);
-    memcpy(&bb, &b, sizeof bb);
-    ab = (mask & ab) | (~mask & bb);
-    memcpy(&a, &ab, sizeof a);
-    return a;
-}
-
 /* lane-wise max; a NaN lane of a loses (NaN is handled apart where it matters) */
-static inline vf vmax(vf a, vf b) { return vselect((vi)(a > b), a, b); }
-
-/* exp(x) for x <= 0, lanes below -87 clamped there (exp ~ 1.6e-38): x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by its Taylor polynomial to degree 7, 2^n built in the exponent bits. */
-static inline vf vexp_nonpos(vf x) {
-    const vf lo = (vf){0} - 87.0f;
-    x = vselect((vi)(x < lo), lo, x);
-    const vf n = __builtin_convertvector(
-        __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf); /* round(x / ln2) */
-    vf r = x - n * 0.693145751953125f;
-    r = r - n * 1.42860682030941723e-6f;
-    vf p = (vf){0} + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
+static inline vf vmax(vf a, vf b) { return vselect((vu32)(a > b), a, b); }
 
 /* log(sum(exp(v))) over v[0 .. len), len a multiple of VW; -inf when every v is -inf */
 static float block_lse(const float *v, int64_t len) {
@@ -108,7 +63,7 @@ static float block_lse(const float *v, int64_t len) {
     for (int64_t j = 0; j < len; j += VW) {
         vf a;
         memcpy(&a, v + j, sizeof a);
-        s += vexp_nonpos(a - mx);
+        s += exp_nonpos_v(a - mx);
     }
     float sum = 0.0f;
     for (int l = 0; l < VW; l++) sum += s[l];
@@ -181,12 +136,12 @@ int pd_argmax(const void *x, int dtype, int64_t rows, int64_t cols, int64_t ldx,
             /* the chunk's max by vectors (NaN lanes ignored), and whether it holds a NaN */
             vf m = (vf){0} - INFINITY;
             int nan = 0;
-            vi nans = (vi){0};
+            vu32 nans = (vu32){0};
             for (int64_t j = 0; j < n; j += VW) {
                 vf a;
                 memcpy(&a, v + j, sizeof a);
                 m = vmax(m, a);
-                nans |= (vi)(a != a);
+                nans |= (vu32)(a != a);
             }
             for (int l = 0; l < VW; l++) nan |= nans[l] != 0;
             float mx = m[0];

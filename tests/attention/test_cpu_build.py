@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import env
-from pdserve.attention.cpu_build import find_compiler, load_library
+from pdserve.attention import cpu_build
+from pdserve.attention.cpu_build import find_compiler, load_library, source_text
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,3 +150,24 @@ def test_default_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert env.kernel_cache_dir() == tmp_path / "pdserve" / "kernels"
     monkeypatch.delenv(env.XDG_CACHE_HOME)
     assert env.kernel_cache_dir() == Path.home() / ".cache" / "pdserve" / "kernels"
+
+
+def test_an_included_header_is_part_of_the_cache_key(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that includes a header by ``#include "..."`` is rebuilt when the header changes
+    (a cached binary of the old header is not handed out)."""
+    (tmp_path / "sub").mkdir()
+    header = tmp_path / "sub" / "answer.h"
+    header.write_text("#define ANSWER 7\n")
+    src = tmp_path / "with_header.c"
+    src.write_text('#include "sub/answer.h"\nint pd_answer(void) { return ANSWER; }\n')
+    first = source_text(src)
+    assert b"#define ANSWER 7" in first
+    kl = load_library(src)
+    assert kl.lib is not None and kl.lib.pd_answer() == 7, kl.reason
+    header.write_text("#define ANSWER 8\n")
+    assert source_text(src) != first
+    monkeypatch.setattr(cpu_build, "_loaded", {})  # as a new process: nothing memoised
+    again = load_library(src)
+    assert again.lib is not None and again.compiled and again.lib.pd_answer() == 8

@@ -27,6 +27,22 @@ def kernel_built() -> None:
     assert kl.lib is not None, kl.reason  # CI has gcc: a build failure here is a defect
 
 
+def random_pool(
+    lens: list[int],
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """(block tables, k_cache, v_cache): random K/V for sequences of ``lens`` tokens in a pool
+    whose blocks are shuffled (each table out of order, spare blocks holding garbage)."""
+    tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(kv_dtype)
+    return tables, k, torch.randn(shape, generator=gen).to(kv_dtype)
+
+
 class Pool:
     """Random K/V for sequences of ``lens`` tokens in a pool whose blocks are shuffled (each
     table out of order, spare blocks holding garbage), plus one query row per sequence."""
@@ -43,10 +59,10 @@ class Pool:
         seed: int = 0,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.tables, self.k_cache, self.v_cache = random_pool(
+            lens, kv_heads, head_dim, block_size, kv_dtype, gen
+        )
+        num_blocks = self.k_cache.shape[0]
         self.q = torch.randn(len(lens), heads, head_dim, generator=gen).to(q_dtype)
         self.lens, self.block_size, self.scale = lens, block_size, head_dim**-0.5
         width = max(len(t) for t in self.tables)
@@ -255,11 +271,9 @@ class Chunks:
         seed: int = 0,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        lens = [c + n for c, n in spans]
-        self.tables, num_blocks = shuffled_block_tables(lens, block_size, gen, spare=3)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+        self.tables, self.k_cache, self.v_cache = random_pool(
+            [c + n for c, n in spans], kv_heads, head_dim, block_size, kv_dtype, gen
+        )
         rows = sum(n for _, n in spans) + 2  # two rows no chunk owns
         self.q = torch.randn(rows, heads, head_dim, generator=gen).to(q_dtype)
         self.spans, self.block_size, self.scale = spans, block_size, head_dim**-0.5

@@ -93,17 +93,24 @@ static inline __attribute__((always_inline)) void panel_block_n(
 #undef STORE
 }
 
-/* panel_block_n for mr = 1 .. 16, one function each (the table run_panels picks from) */
-#define BLOCK_N(r)                                                                            \
-    static void panel_block_##r(const void *x, int64_t ldx, const void *p, int64_t k,         \
-                                const void *b, void *y, int64_t ldy, int ncols) {             \
-        panel_block_n(x, ldx, r + 1, p, k, b, y, ldy, ncols);                                 \
+/* BLOCKS(name, impl): impl (an inlined block taking mr) for mr = 1 .. 16, one function each, and
+ * the table `name` of them that run_panels picks from */
+#define BLOCK_N(impl, r)                                                                      \
+    static void impl##_##r(const void *x, int64_t ldx, const void *p, int64_t k,              \
+                           const void *b, void *y, int64_t ldy, int ncols) {                  \
+        impl(x, ldx, r + 1, p, k, b, y, ldy, ncols);                                          \
     }
-REP16(BLOCK_N)
-#undef BLOCK_N
-#define ENTRY(r) panel_block_##r,
-static const block_fn F32_BLOCKS[MR] = {REP16(ENTRY)};
-#undef ENTRY
+#define BLOCKS(name, impl)                                                                    \
+    BLOCK_N(impl, 0) BLOCK_N(impl, 1) BLOCK_N(impl, 2) BLOCK_N(impl, 3) BLOCK_N(impl, 4)      \
+    BLOCK_N(impl, 5) BLOCK_N(impl, 6) BLOCK_N(impl, 7) BLOCK_N(impl, 8) BLOCK_N(impl, 9)      \
+    BLOCK_N(impl, 10) BLOCK_N(impl, 11) BLOCK_N(impl, 12) BLOCK_N(impl, 13) BLOCK_N(impl, 14) \
+    BLOCK_N(impl, 15)                                                                         \
+    static const block_fn name[MR] = {impl##_0,  impl##_1,  impl##_2,  impl##_3,             \
+                                      impl##_4,  impl##_5,  impl##_6,  impl##_7,             \
+                                      impl##_8,  impl##_9,  impl##_10, impl##_11,            \
+                                      impl##_12, impl##_13, impl##_14, impl##_15};
+
+BLOCKS(F32_BLOCKS, panel_block_n)
 
 /* Every panel (split over num_threads OpenMP threads) times every 16-row block of x, through
  * blocks[mr - 1]; es: bytes per element. A panel holds k * PANEL elements in either dtype. */
@@ -185,16 +192,7 @@ static inline __attribute__((always_inline)) void panel_block_bf16_n(
 #undef STORE
 }
 
-#define BLOCK_N(r)                                                                            \
-    static void panel_block_bf16_##r(const void *x, int64_t ldx, const void *p, int64_t k,    \
-                                     const void *b, void *y, int64_t ldy, int ncols) {        \
-        panel_block_bf16_n(x, ldx, r + 1, p, k, b, y, ldy, ncols);                            \
-    }
-REP16(BLOCK_N)
-#undef BLOCK_N
-#define ENTRY(r) panel_block_bf16_##r,
-static const block_fn BF16_BLOCKS[MR] = {REP16(ENTRY)};
-#undef ENTRY
+BLOCKS(BF16_BLOCKS, panel_block_bf16_n)
 #endif
 
 /* The bf16 twin of pd_skinny_gemm_f32: x, packed, bias and y hold bf16 (as uint16_t); k even,
