@@ -74,7 +74,7 @@ class CpuPagedMetadata(AttentionMetadata):
 
     decode: DecodeBatch
     prefills: tuple[PrefillSpan, ...]
-    prefill_batch: PrefillBatch
+    prefill_batch: PrefillBatch | None  # the prefills for the prefill kernel (None: no prefills)
 
 
 @register_backend("cpu_paged")
@@ -117,7 +117,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
                 [s.num_computed for s in spans],
                 [s.block_ids for s in spans],
                 block_size,
-            ),
+            )
+            if spans
+            else None,  # a decode-only step builds nothing for the prefill kernel
         )
 
     def forward(
@@ -137,7 +139,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
             threads = kernel_threads(d.num_decodes, k_cache.shape[2], d.max_seq_len)
             splits = num_splits(d.num_decodes, d.max_seq_len, threads)
             cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d, out, scale, splits, threads)
-        if meta.prefills:
+        if meta.prefill_batch is not None:
             if _prefill_fits(q.shape[1], k_cache.shape[2], q.shape[2]):
                 cpu_kernels.paged_prefill_attention(
                     q, k_cache, v_cache, meta.prefill_batch, out, scale
