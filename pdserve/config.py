@@ -373,8 +373,17 @@ class ServeConfig:
     log_prompts: bool = False  # --log-prompts: prompt and output texts in the router's log
     chat_template: str | None = None  # template text replacing the model's (--chat-template)
     tool_call_parser: str | None = None  # 'hermes' | 'json'; None = chosen from the template
+    # Conditional disaggregation (router/policy.py prefill_locally): prompts up to this many
+    # tokens are prefilled on their decode worker while every prefill worker has at least
+    # min_prefill_queue_tokens prompt tokens queued; 0 = always on a prefill worker.
+    max_local_prefill_length: int = 0
+    min_prefill_queue_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_local_prefill_length < 0:
+            raise ConfigError("--max-local-prefill-length must be >= 0 (0 turns it off)")
+        if self.min_prefill_queue_tokens < 0:
+            raise ConfigError("--min-prefill-queue-tokens must be >= 0")
         if self.max_concurrent_streams < 1:
             raise ConfigError("--max-concurrent-streams must be >= 1")
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):

@@ -33,6 +33,8 @@ class DecodeAttempt:
     """An open Decode stream on one worker (one placement attempt) and its reservation.
 
     ``blocks``: KV blocks the prompt needs there; ``accepted`` is set by the first event.
+    ``local``: the decode worker prefills the prompt itself; the pool counts it as a local
+    prefill on that worker until :meth:`prefilled` (or :meth:`close`).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class DecodeAttempt:
         call: grpc.aio.UnaryStreamCall,
         attempt_id: str,
         blocks: int,
+        local: bool = False,
     ) -> None:
         self.pool = pool
         self.worker = worker
@@ -50,7 +53,14 @@ class DecodeAttempt:
         self.blocks = blocks
         self.accepted: pb.Accepted | None = None
         self.open = True
-        pool.reserve(worker, blocks=blocks)
+        self.local_prefill = local  # still prefilling on the decode worker
+        pool.reserve(worker, blocks=blocks, local_prefill=local)
+
+    def prefilled(self) -> None:
+        """A local prefill produced its first token: the worker no longer counts it. Idempotent."""
+        if self.local_prefill:
+            self.local_prefill = False
+            self.pool.prefilled_locally(self.worker)
 
     def close(self, abort: bool, timeout_s: float) -> None:
         """Release the reservation; with ``abort`` cancel the stream and send Abort (in the
@@ -58,6 +68,7 @@ class DecodeAttempt:
         if not self.open:
             return
         self.open = False
+        self.prefilled()
         self.pool.release(self.worker)
         if abort:
             self.call.cancel()

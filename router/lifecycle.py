@@ -33,7 +33,13 @@ from pdserve.v1 import worker_pb2 as pb
 from router.background import spawn
 from router.decode_attempt import WORKER_DOWN, DecodeAttempt, status_from_code
 from router.errors import BadRequest, NoWorkers, RequestTimeout, WorkerFailure
-from router.policy import PrefillLoad, PrefillPolicy, blocks_for_tokens, rank_decode
+from router.policy import (
+    PrefillLoad,
+    PrefillPolicy,
+    blocks_for_tokens,
+    prefill_locally,
+    rank_decode,
+)
 from router.pool import WORKER_SLOW, WorkerPool, WorkerState
 from router.readiness import STARTING_RETRY_AFTER_S
 from router.request_log import SequenceTrace
@@ -69,7 +75,9 @@ class LifecycleConfig:
     waiting for KV (0 = ``prefill_timeout_s`` plus a margin: a prompt may queue on a busy prefill
     worker for most of its Prefill call, and the reservation must outlive that wait; the router
     aborts it at once when the prefill fails). ``no_worker_timeout_s``: how long to wait for any
-    decode worker to appear before failing with 503. ``max_prefill_attempts``: failed prefills
+    decode worker to appear before failing with 503. ``max_local_prefill_length`` (tokens; 0 =
+    off) and ``min_prefill_queue_tokens`` (tokens): conditional disaggregation, see
+    :func:`router.policy.prefill_locally`. ``max_prefill_attempts``: failed prefills
     tolerated per sequence. ``max_replacements``: re-placements (preemptions + broken streams)
     tolerated per sequence. ``max_backoff_s``: ceiling of the wait between rounds when every
     decode worker is full.
@@ -77,6 +85,8 @@ class LifecycleConfig:
 
     block_size: int = 16
     unified: bool = False
+    max_local_prefill_length: int = 0
+    min_prefill_queue_tokens: int = 1024
     accept_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     kv_timeout_s: float = 0.0
@@ -178,6 +188,19 @@ class RequestLifecycle:
         (none is up, or every one failed it as if down)."""
         return self.config.unified or not self._prefill_loads()
 
+    def _conditional_local(self) -> bool:
+        """Conditional disaggregation: this prompt is short and the prefill workers are
+        backlogged (see :func:`router.policy.prefill_locally`)."""
+        if self.config.max_local_prefill_length <= 0:
+            return False
+        return prefill_locally(
+            len(self.prompt_token_ids) + len(self.output),
+            self._prefill_loads(),
+            self.pool.decode_loads(),
+            self.config.max_local_prefill_length,
+            self.config.min_prefill_queue_tokens,
+        )
+
     def _prefill_loads(self) -> list[PrefillLoad]:
         """Healthy prefill workers' loads, without those in ``_down_prefill``.
 
@@ -200,8 +223,9 @@ class RequestLifecycle:
                 if len(self.output) >= self.max_tokens:  # nothing left after a re-placement
                     self._end(S.FINISHED, "length")
                     break
-                local = self._unified()
-                attempt = await self._place(local)
+                conditional = not self._unified() and self._conditional_local()
+                local = conditional or self._unified()
+                attempt = await self._place(local, prefer_idle=conditional)
                 self._set(S.PREFILLING)
                 if not local:
                     first, kv_sent = await self._prefill(attempt)
@@ -271,15 +295,18 @@ class RequestLifecycle:
 
     # -- placement on a decode worker -----------------------------------------------------------
 
-    async def _place(self, local: bool) -> DecodeAttempt:
-        """Open a Decode stream on the best decode worker that accepts; wait while all are full."""
+    async def _place(self, local: bool, prefer_idle: bool = False) -> DecodeAttempt:
+        """Open a Decode stream on the best decode worker that accepts; wait while all are full.
+
+        ``prefer_idle``: rank decode workers with no local prefill in flight first.
+        """
         tokens = self.prompt_token_ids + [t.token_id for t in self.output]
         blocks = blocks_for_tokens(len(tokens) + 1, self.config.block_size)
         backoff = 0.02
         no_worker_since: float | None = None
         while True:
             left = self._remaining()
-            ranking = rank_decode(self.pool.decode_loads(), blocks)
+            ranking = rank_decode(self.pool.decode_loads(), blocks, local=prefer_idle)
             # re-placement goes elsewhere first: workers that preempted or lost it go last
             ranking.sort(key=lambda w: w in self._left_decode)
             capacity = max((w.info.num_blocks for w in self.pool.workers("decode")), default=0)
@@ -330,7 +357,9 @@ class RequestLifecycle:
             kv_timeout_s=self.config.kv_timeout_s or self.config.prefill_timeout_s + _KV_MARGIN_S,
         )
         timeout = min(self._remaining(), self.config.accept_timeout_s)
-        attempt = DecodeAttempt(self.pool, worker, worker.client.decode(req), attempt_id, blocks)
+        attempt = DecodeAttempt(
+            self.pool, worker, worker.client.decode(req), attempt_id, blocks, local=local
+        )
         abort_timeout = self.config.abort_timeout_s
         try:
             event = await attempt.read(timeout)
@@ -515,6 +544,7 @@ class RequestLifecycle:
             kind = event.WhichOneof("event")
             if kind == "tokens":
                 if self.state is S.PREFILLING:
+                    attempt.prefilled()
                     self._set(S.DECODING)  # a local prefill: its logprobs ride here
                     self._got_prompt_logprobs(event.tokens.prompt_logprobs)
                 for tok in self._take([rpc.token_from_proto(t) for t in event.tokens.tokens]):

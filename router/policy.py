@@ -17,6 +17,12 @@ land where that prefix is cached. A load guard, in the spirit of SGLang's cache-
 (route by cache unless the cluster is imbalanced), sends the request to the least-queued worker
 instead when the affine one has both ``balance_abs_tokens`` more queued prompt tokens than the
 least-queued worker and ``balance_rel`` times as many.
+
+Conditional disaggregation (:func:`prefill_locally`), after NVIDIA Dynamo's feature of that name:
+a short prompt is prefilled on its decode worker instead of waiting behind a backlog on the
+prefill workers. Dynamo decides by prompt length and prefill queue size; here the prompt must be
+short, every prefill worker backlogged, and some decode worker free of local prefills, so one
+decode step never carries more than one local prompt.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ class DecodeLoad:
 
     ``free_blocks``: KV blocks free (reported, minus reservations the router made since the
     report). ``running``: sequences running or waiting for KV (reported plus router in-flight not
-    yet reflected in a report).
+    yet reflected in a report). ``local_prefills``: prompts this router sent there to be
+    prefilled locally that have not produced their first token.
     """
 
     worker_id: str
     free_blocks: int
     running: int
+    local_prefills: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,13 +63,43 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def rank_decode(workers: Sequence[DecodeLoad], blocks_needed: int) -> list[str]:
-    """Decode workers best first for a request needing ``blocks_needed`` KV blocks."""
+def rank_decode(
+    workers: Sequence[DecodeLoad], blocks_needed: int, *, local: bool = False
+) -> list[str]:
+    """Decode workers best first for a request needing ``blocks_needed`` KV blocks.
+
+    ``local``: the request will be prefilled there; workers with no local prefill in flight go
+    first among those with room.
+    """
     fits = [w for w in workers if w.free_blocks >= blocks_needed]
     short = [w for w in workers if w.free_blocks < blocks_needed]
-    fits.sort(key=lambda w: (w.running, -w.free_blocks, w.worker_id))
+    fits.sort(
+        key=lambda w: (local and w.local_prefills > 0, w.running, -w.free_blocks, w.worker_id)
+    )
     short.sort(key=lambda w: (-w.free_blocks, w.running, w.worker_id))
     return [w.worker_id for w in fits + short]
+
+
+def prefill_locally(
+    num_tokens: int,
+    prefill: Sequence[PrefillLoad],
+    decode: Sequence[DecodeLoad],
+    max_local_prefill_length: int,
+    min_prefill_queue_tokens: int,
+) -> bool:
+    """Conditional disaggregation: prefill a ``num_tokens``-token prompt on its decode worker?
+
+    True when ``num_tokens <= max_local_prefill_length`` (0 turns the feature off), every prefill
+    worker in ``prefill`` has at least ``min_prefill_queue_tokens`` prompt tokens queued (the
+    prompt would wait behind them), and some decode worker has no local prefill in flight (the
+    gate that keeps local prompts from piling up on the decode batch). False with no prefill
+    worker: the caller falls back to local prefill for that reason, not this one.
+    """
+    if not prefill or num_tokens > max_local_prefill_length:
+        return False
+    if min(w.queued_tokens for w in prefill) < min_prefill_queue_tokens:
+        return False
+    return any(w.local_prefills == 0 for w in decode)
 
 
 def _weight(key: int, worker_id: str) -> int:

@@ -66,6 +66,7 @@ class WorkerState:
     inflight_tokens: int = 0  # prefill: prompt tokens sent, Prefill not yet returned
     new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
     new_running: int = 0  # decode: requests placed since the last poll
+    local_prefills: int = 0  # decode: prompts this router sent to be prefilled there, not yet done
 
     @property
     def info(self) -> WorkerInfo:
@@ -180,17 +181,31 @@ class WorkerPool:
 
     # -- router-side load between polls ----------------------------------------------------
 
-    def reserve(self, worker: WorkerState, *, blocks: int = 0, tokens: int = 0) -> None:
+    def reserve(
+        self,
+        worker: WorkerState,
+        *,
+        blocks: int = 0,
+        tokens: int = 0,
+        local_prefill: bool = False,
+    ) -> None:
         """Count one request the router placed on ``worker`` until :meth:`release`.
 
         Decode: one more running sequence and ``blocks`` KV blocks, both until the next poll
-        reports them. Prefill: ``tokens`` prompt tokens queued until the Prefill call returns.
+        reports them; with ``local_prefill`` also one local prefill until
+        :meth:`prefilled_locally`. Prefill: ``tokens`` prompt tokens queued until the Prefill
+        call returns.
         """
         worker.inflight += 1
         worker.inflight_tokens += tokens
         if worker.info.role == "decode":
             worker.new_running += 1
             worker.new_blocks += blocks
+            worker.local_prefills += local_prefill
+
+    def prefilled_locally(self, worker: WorkerState) -> None:
+        """A local prefill counted by ``reserve(..., local_prefill=True)`` is done (or gone)."""
+        worker.local_prefills -= 1
 
     def release(self, worker: WorkerState, *, tokens: int = 0) -> None:
         """The request counted by ``reserve(worker, tokens=tokens)`` left ``worker``."""
@@ -210,7 +225,14 @@ class WorkerPool:
             else:  # never polled yet: assume the geometry it reported at start
                 free = w.info.num_blocks - w.new_blocks
                 running = w.inflight
-            loads.append(DecodeLoad(w.worker_id, free_blocks=free, running=running))
+            loads.append(
+                DecodeLoad(
+                    w.worker_id,
+                    free_blocks=free,
+                    running=running,
+                    local_prefills=w.local_prefills,
+                )
+            )
         return loads
 
     def prefill_loads(self) -> list[PrefillLoad]:

@@ -73,7 +73,12 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
             max_queued_tokens=args.max_queued_tokens,
             request_timeout_s=args.request_timeout,
             log_prompts=args.log_prompts,
-            lifecycle=LifecycleConfig(block_size=block_size, unified=args.mode == "unified"),
+            lifecycle=LifecycleConfig(
+                block_size=block_size,
+                unified=args.mode == "unified",
+                max_local_prefill_length=args.max_local_prefill_length,
+                min_prefill_queue_tokens=args.min_prefill_queue_tokens,
+            ),
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
             tool_call_parser=args.tool_call_parser,
         ),
@@ -119,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        ServeConfig(  # the flags this command shares with `pdserve serve`, checked the same way
+            max_local_prefill_length=args.max_local_prefill_length,
+            min_prefill_queue_tokens=args.min_prefill_queue_tokens,
+            max_concurrent_streams=args.max_concurrent_streams,
+        )
         return asyncio.run(route_async(args, address))
     except (ConfigError, RuntimeError, ValueError) as e:
         print(f"pdserve router: {e}", file=sys.stderr)

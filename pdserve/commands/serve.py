@@ -192,6 +192,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         log_prompts=args.log_prompts,
         chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         tool_call_parser=args.tool_call_parser,
+        max_local_prefill_length=args.max_local_prefill_length,
+        min_prefill_queue_tokens=args.min_prefill_queue_tokens,
     )
     if args.cpus_per_worker is not None:
         check_cpus_per_worker(args.cpus_per_worker)
@@ -327,7 +329,10 @@ async def serve_async(
             request_timeout_s=s.request_timeout_s,
             log_prompts=s.log_prompts,
             lifecycle=LifecycleConfig(
-                block_size=s.engine.cache.block_size, unified=s.mode == "unified"
+                block_size=s.engine.cache.block_size,
+                unified=s.mode == "unified",
+                max_local_prefill_length=s.max_local_prefill_length,
+                min_prefill_queue_tokens=s.min_prefill_queue_tokens,
             ),
             chat_template=s.chat_template,
             tool_call_parser=s.tool_call_parser,

@@ -93,6 +93,20 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         "uses <tool_call>, else json)",
     )
     g.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=ServeConfig.max_local_prefill_length,
+        help="conditional disaggregation: prompts of at most this many tokens are prefilled on "
+        "their decode worker while every prefill worker is backlogged (0 = off)",
+    )
+    g.add_argument(
+        "--min-prefill-queue-tokens",
+        type=int,
+        default=ServeConfig.min_prefill_queue_tokens,
+        help="the backlog (prompt tokens queued on every prefill worker) at which "
+        "--max-local-prefill-length applies",
+    )
+    g.add_argument(
         "--log-level",
         default=None,
         choices=["debug", "info", "warning", "error"],

@@ -57,6 +57,32 @@ async def test_no_prefill_worker_falls_back_to_local_prefill() -> None:
         await c.close()
 
 
+async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_a_backlog() -> None:
+    c = await start_fake_cluster()
+    try:
+        cfg = {"max_local_prefill_length": 64, "min_prefill_queue_tokens": 1000}
+        lc = make(c, max_tokens=6, **cfg)  # no backlog: the prefill worker takes it
+        assert await collect(lc) == expected(PROMPT, 6)
+        assert len(c.prefills[0].requests) == 1 and lc.num_local_prefills == 0
+        prefill, decode = c.pool.get("prefill-0"), c.pool.get("decode-0")
+        assert prefill is not None and decode is not None
+        c.pool.reserve(prefill, tokens=1000)  # another request's prompt queued there
+        lc = make(c, max_tokens=6, request_id="req-2", **cfg)
+        assert await collect(lc) == expected(PROMPT, 6)  # the same tokens, prefilled on D
+        assert c.decodes[0].requests[-1].prefill_locally and lc.num_local_prefills == 1
+        assert len(c.prefills[0].requests) == 1 and decode.local_prefills == 0
+        long_prompt = list(range(100, 165))  # 65 tokens: over the local limit
+        lc = make(c, max_tokens=3, request_id="req-3", prompt=long_prompt, **cfg)
+        assert await collect(lc) == expected(long_prompt, 3)
+        assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 0
+        decode.local_prefills += 1  # a local prefill in flight: the gate sends the next one to P
+        lc = make(c, max_tokens=3, request_id="req-4", **cfg)
+        assert await collect(lc) == expected(PROMPT, 3)
+        assert len(c.prefills[0].requests) == 3 and lc.num_local_prefills == 0
+    finally:
+        await c.close()
+
+
 async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
     c = await start_fake_cluster(decodes=[{"preempt_budget": 1, "preempt_at": 3}])
     try:

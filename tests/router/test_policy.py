@@ -10,6 +10,7 @@ from router.policy import (
     PrefillLoad,
     PrefillPolicy,
     blocks_for_tokens,
+    prefill_locally,
     rank_decode,
     rendezvous_rank,
 )
@@ -86,3 +87,23 @@ def test_policy_validates_its_knobs() -> None:
         PrefillPolicy(affinity_blocks=0)
     with pytest.raises(ValueError, match="balance_rel"):
         PrefillPolicy(balance_rel=0.5)
+
+
+def test_conditional_disaggregation_needs_a_short_prompt_a_backlog_and_an_idle_decode_gate() -> (
+    None
+):
+    backlog = [PrefillLoad("p0", queued_tokens=3000), PrefillLoad("p1", queued_tokens=1500)]
+    idle = [
+        DecodeLoad("d0", free_blocks=10, running=4, local_prefills=1),
+        DecodeLoad("d1", free_blocks=10, running=6),
+    ]
+    assert prefill_locally(256, backlog, idle, 512, 1024)
+    assert not prefill_locally(513, backlog, idle, 512, 1024)  # longer than the local limit
+    assert not prefill_locally(256, backlog, idle, 0, 1024)  # 0 turns it off
+    assert not prefill_locally(256, backlog, idle, 512, 2000)  # p1 is not backlogged enough
+    busy = [DecodeLoad("d0", free_blocks=10, running=4, local_prefills=1)]
+    assert not prefill_locally(256, backlog, busy, 512, 1024)  # the gate: one local at a time
+    assert not prefill_locally(256, [], idle, 512, 0)  # no prefill worker: not this rule's call
+    # a local request goes to a decode worker without a local prefill in flight, if one has room
+    assert rank_decode(idle, 4, local=True) == ["d1", "d0"]
+    assert rank_decode(idle, 4) == ["d0", "d1"]
