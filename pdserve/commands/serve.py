@@ -226,6 +226,20 @@ def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
             flags += [flag, shlex.quote(str(value))]
     if args.mode == "unified":
         flags += ["--mode", "unified"]
+    for flag, value, default in (
+        (
+            "--max-local-prefill-length",
+            args.max_local_prefill_length,
+            ServeConfig.max_local_prefill_length,
+        ),
+        (
+            "--min-prefill-queue-tokens",
+            args.min_prefill_queue_tokens,
+            ServeConfig.min_prefill_queue_tokens,
+        ),
+    ):
+        if value != default:
+            flags += [flag, str(value)]
     if args.api_key or env.api_key():
         flags += ["--api-key", "KEY"]  # a placeholder that fails closed if pasted as is
     if internal_token(args):

@@ -77,6 +77,8 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--cpus-per-worker", "0"], "--cpus-per-worker must be a number >= 0.0001"),
         (["--cpus-per-worker", "nan"], "--cpus-per-worker must be a number >= 0.0001"),
         (["--cpus-per-worker", "inf"], "--cpus-per-worker must be a number >= 0.0001"),
+        (["--max-local-prefill-length", "-1"], "--max-local-prefill-length must be >= 0"),
+        (["--min-prefill-queue-tokens", "-1"], "--min-prefill-queue-tokens must be >= 0"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
@@ -98,6 +100,9 @@ def test_router_command_needs_a_ray_address(
     monkeypatch.delenv(env.RAY_ADDRESS, raising=False)
     assert router_cmd.run(parse("router")) == 2
     assert "--ray-address" in capsys.readouterr().err
+    bad = parse("router", "--ray-address", "127.0.0.1:1", "--max-local-prefill-length", "-3")
+    assert router_cmd.run(bad) == 1  # checked before joining the cluster
+    assert "--max-local-prefill-length must be >= 0" in capsys.readouterr().err
 
 
 def test_taken_port_names_the_flag() -> None:
@@ -177,6 +182,7 @@ def test_router_hint_repeats_the_flags_a_router_must_match(
     args = parse(
         "serve", "--device", "cpu", "--mode", "unified", "--served-model-name", "smol hf",
         "--max-model-len", "1024", "--tool-call-parser", "json", "--api-key", "s3cret",
+        "--max-local-prefill-length", "300",
     )  # fmt: skip
     plan = serve.build_plan(args)
     monkeypatch.setenv(env.RAY_AUTH_MODE, "token")
@@ -188,5 +194,5 @@ def test_router_hint_repeats_the_flags_a_router_must_match(
     routed = parse(*shlex.split(command))  # the printed line parses as a router command
     assert routed.served_model_name == "smol hf" and routed.max_model_len == 1024
     assert routed.mode == "unified" and routed.tool_call_parser == "json"
-    assert routed.api_key == "KEY"
+    assert routed.api_key == "KEY" and routed.max_local_prefill_length == 300
     assert serve.build_plan(parse("serve", "--device", "cpu")).router_flags == ()
