@@ -49,25 +49,31 @@ class ServeProcess:
     def __init__(
         self, args: list[str], env: dict[str, str] | None = None, command: str = "serve"
     ) -> None:
+        self.args, self.env, self.command = args, env, command
+        self.last_output = ""
+        self.port_retries = 3  # relaunches after another process took a port picked as free
+        self._start()
+
+    def _start(self) -> None:
+        """Launch on newly picked free ports (the URL and gRPC address follow them)."""
         self.port = free_port()
         self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
-        self.last_output = ""
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="pdserve-e2e-", suffix=".log", delete=False
         )
         cmd = [
-            sys.executable, "-m", "pdserve.cli", command,
+            sys.executable, "-m", "pdserve.cli", self.command,
             "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-            *(SMALL + EAGER if command == "serve" else SMALL[2:]), *args,
+            *(SMALL + EAGER if self.command == "serve" else SMALL[2:]), *self.args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(self.env or {})},
             start_new_session=True,
         )
 
@@ -79,6 +85,14 @@ class ServeProcess:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
+                # NOTE: a port found free may be taken before the server binds it (Ray's
+                # processes bind ephemeral ports too): start again on other ports.
+                if "Address already in use" in self.output() and self.port_retries > 0:
+                    self.port_retries -= 1
+                    self.log.close()
+                    Path(self.log.name).unlink(missing_ok=True)
+                    self._start()
+                    continue
                 raise RuntimeError(
                     f"pdserve serve exited ({self.proc.returncode}):\n{self.output()}"
                 )
