@@ -391,32 +391,3 @@ def test_prefill_bad_arguments_are_named() -> None:
             chunks.q, chunks.k_cache.view(-1, 8, 3, 64), chunks.v_cache.view(-1, 8, 3, 64),
             chunks.batch(), out, 0.1,
         )  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
-    from pdserve.attention.torch_ref import write_kv
-
-    g = torch.Generator().manual_seed(7)
-    kv_heads, dim, blocks, block_size = 3, 32, 6, 4
-    qkv = torch.randn(5, (4 + 2 * kv_heads) * dim, generator=g).to(dtype)  # a fused projection
-    k = qkv[:, 4 * dim : (4 + kv_heads) * dim].view(5, kv_heads, dim)  # strided token rows
-    v = qkv[:, (4 + kv_heads) * dim :].view(5, kv_heads, dim)
-    slots = torch.tensor([0, 5, 23, 9, 14])
-    caches = [torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype) for _ in "kv"]
-    want = [c.clone() for c in caches]
-    write_kv(k, v, *want, slots)
-    assert cpu_kernels.write_kv(k, v, *caches, slots)
-    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
-    before = [c.clone() for c in caches]
-    with pytest.raises(ValueError, match="slot"):  # out of the pool: nothing written
-        cpu_kernels.write_kv(k, v, *caches, torch.tensor([0, 1, 2, 3, blocks * block_size]))
-    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
-    # layouts it does not take: the caller writes with torch instead
-    assert not cpu_kernels.write_kv(
-        k.float() if dtype != torch.float32 else k.half(), v, *caches, slots
-    )
-    assert not cpu_kernels.write_kv(k, v, *caches, slots.to(torch.int32))
-    assert not cpu_kernels.write_kv(
-        k.transpose(1, 2).contiguous().transpose(1, 2), v, *caches, slots
-    )

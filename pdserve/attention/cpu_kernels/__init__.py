@@ -41,77 +41,20 @@ _ARGTYPES = [
 ]  # fmt: skip
 
 
-_WRITE_ARGTYPES = [
-    _ptr, _ptr, _c_int64, _c_int64,  # k, v, their token strides
-    _ptr, _ptr, _c_int64, _c_int64, _c_int,  # k_cache, v_cache, block stride, num_blocks, block_size
-    _ptr, _c_int64, _c_int, _c_int, _c_int,  # slots, num_tokens, kv_heads, head_dim, element size
-]  # fmt: skip
-
-# the library's entry points once loaded (the per-layer calls skip the cache look-up)
+# the library's entry point once loaded (the per-layer calls skip the cache look-up)
 _decode_fn: Callable[..., int] | None = None
-_write_fn: Callable[..., int] | None = None
 
 
 def load() -> KernelLibrary:
     """The compiled kernel library (compiled and cached on first use); ``.lib`` is None and
     ``.reason`` says why when it cannot be built or loaded here."""
-    global _decode_fn, _write_fn
+    global _decode_fn
     kl = load_library(SOURCE)
     if kl.lib is not None and kl.lib.pd_paged_decode.argtypes is None:
         kl.lib.pd_paged_decode.argtypes = _ARGTYPES
         kl.lib.pd_paged_decode.restype = ctypes.c_int
-        kl.lib.pd_write_kv.argtypes = _WRITE_ARGTYPES
-        kl.lib.pd_write_kv.restype = ctypes.c_int
         _decode_fn = kl.lib.pd_paged_decode
-        _write_fn = kl.lib.pd_write_kv
     return kl
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> bool:
-    """Store k, v [num_tokens, kv_heads, head_dim] at the flat slots ``slot_mapping`` (int64
-    [num_tokens]) of the [num_blocks, block_size, kv_heads, head_dim] caches, in place, with one
-    C call instead of torch's two ``index_copy_``. Returns False, having written nothing, when
-    the library is not loaded or the tensors are not in the layout it takes (k/v not in the
-    caches' dtype, a token's heads not contiguous, a block not contiguous, slots not
-    contiguous int64): the caller then writes them with torch. Raises ValueError for a slot
-    outside the pool.
-    """
-    fn = _write_fn
-    if fn is None:
-        if load().lib is None:
-            return False
-        fn = _write_fn
-        assert fn is not None
-    kv_heads, dim = k_cache.shape[-2:]
-    n = slot_mapping.shape[0]
-    if not (
-        k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        and k.shape == v.shape == (n, kv_heads, dim)
-        and k.stride()[1:] == v.stride()[1:] == (dim, 1)
-        and k_cache.stride() == v_cache.stride()
-        and k_cache.stride()[1:] == (kv_heads * dim, dim, 1)
-        and slot_mapping.dtype == torch.int64
-        and slot_mapping.is_contiguous()
-        and k.is_cpu
-        and k_cache.is_cpu
-    ):
-        return False
-    rc = fn(
-        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[0],
-        k_cache.shape[1], slot_mapping.data_ptr(), n, kv_heads, dim, k.element_size(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(
-            f"slot_mapping holds a slot outside the {k_cache.shape[0] * k_cache.shape[1]}-slot pool"
-        )
-    return True
 
 
 @dataclass(frozen=True)

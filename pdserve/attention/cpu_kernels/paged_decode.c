@@ -798,31 +798,3 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
     free(items);
     return 0;
 }
-
-/* ---------------------------------------------------------------------------------------------
- * KV write: store the step's new K and V rows at their flat slots of one layer's caches.
- *
- * k, v: [num_tokens, kv_heads, head_dim] in the caches' dtype, each token's heads contiguous
- *       (head stride head_dim), tokens k_tok_stride / v_tok_stride elements apart.
- * k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim], blocks blk_stride elements
- *       apart, each block contiguous. slots: int64 [num_tokens], slot s = block s / block_size,
- *       row s % block_size. elem_size: bytes per element.
- * Returns 0, or -1 (nothing written) when a slot is outside [0, num_blocks * block_size).
- * The torch equivalent is two index_copy_ calls; this is one call with no per-call allocation.
- */
-int pd_write_kv(const void *k, const void *v, int64_t k_tok_stride, int64_t v_tok_stride,
-                void *k_cache, void *v_cache, int64_t blk_stride, int64_t num_blocks,
-                int block_size, const int64_t *slots, int64_t num_tokens, int kv_heads,
-                int head_dim, int elem_size) {
-    const int64_t limit = num_blocks * block_size, row = (int64_t)kv_heads * head_dim;
-    for (int64_t t = 0; t < num_tokens; t++)
-        if (slots[t] < 0 || slots[t] >= limit) return -1;
-    const size_t bytes = (size_t)row * (size_t)elem_size;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
-        const int64_t dst = (blk * blk_stride + off * row) * elem_size;
-        memcpy((char *)k_cache + dst, (const char *)k + t * k_tok_stride * elem_size, bytes);
-        memcpy((char *)v_cache + dst, (const char *)v + t * v_tok_stride * elem_size, bytes);
-    }
-    return 0;
-}
