@@ -223,8 +223,9 @@ class RequestLifecycle:
                 if len(self.output) >= self.max_tokens:  # nothing left after a re-placement
                     self._end(S.FINISHED, "length")
                     break
-                conditional = not self._unified() and self._conditional_local()
-                local = conditional or self._unified()
+                unified = self._unified()
+                conditional = not unified and self._conditional_local()
+                local = unified or conditional
                 attempt = await self._place(local, prefer_idle=conditional)
                 self._set(S.PREFILLING)
                 if not local:
