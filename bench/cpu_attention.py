@@ -151,13 +151,14 @@ def last_level_cache_bytes() -> int:
 def baseline_kernel(rev: str) -> Callable[..., int]:
     """The decode kernel's entry point built from its source at git revision ``rev`` (compiled
     into the kernel cache like the current one). Raises RuntimeError when it cannot be built."""
+    # the whole pdserve/ tree of that revision, so the kernel's #include "..." files come along
     rel = cpu_kernels.SOURCE.relative_to(ROOT).as_posix()
-    proc = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"git show {rev}:{rel}: {proc.stderr.strip()}")
-    src = Path(tempfile.mkdtemp(prefix="pdserve-baseline-")) / cpu_kernels.SOURCE.name
-    src.write_text(proc.stdout)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-baseline-"))
+    archive = subprocess.run(["git", "archive", rev, "pdserve"], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    src = tmp / rel
     kl = load_library(src)
     if kl.lib is None:
         raise RuntimeError(f"the kernel at {rev} does not build: {kl.reason}")

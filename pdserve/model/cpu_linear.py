@@ -268,7 +268,8 @@ def _skinny_run(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The kernel call itself, for arguments already known to fit (what :func:`skinny_linear`
-    checks; a :class:`PackedLinear` builds its panels and bias so, and checks x per call)."""
+    checks; a :class:`PackedLinear` builds its panels and bias so, and checks x per call).
+    Raises MemoryError when the kernel cannot allocate its interleaved copy of x."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if k > 1 and x2.stride(1) != 1:
@@ -276,11 +277,13 @@ def _skinny_run(
     rows = x2.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
     if rows:
-        fn(
+        rc = fn(
             x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
             None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
             torch.get_num_threads(),
         )  # fmt: skip
+        if rc != 0:  # the kernel's copy of x could not be allocated
+            raise MemoryError(f"skinny GEMM kernel failed ({rc}) for x {tuple(x2.shape)}")
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -19,7 +19,10 @@
  *     the single-pass "online softmax" of Milakov & Gimelshein, "Online normalizer calculation
  *     for softmax" (2018), as FlashAttention and FlashDecoding use it, here once per chunk;
  *  3. the weighted sum of V, tile by tile, with G x 4 vector accumulators per KV head.
- * Each phase prefetches what the next one reads (V of the tile; K of the next chunk or item).
+ * While one chunk is computed, the next one (of this sequence, or the next item's first) is
+ * prefetched into L2, its K rows under phase 0 and its V rows under phase 1, spread evenly over
+ * the chunk's tiles; a sequence's chunks are of even length so each prefetch has a chunk of about
+ * its own size to hide under.
  * With more than one split per sequence (FlashDecoding's split-K, for few sequences and many
  * threads) each split's partial (max, sum, accumulator) is merged at the end by rescaling with
  * exp(max_split - max_total).
@@ -27,7 +30,10 @@
  * Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16), SmolLM2-135M's shapes (9 query / 3 KV
  * heads, head_dim 64, blocks of 16), batch 16 x 300 tokens, one thread, bf16: 0.21 ms a layer
  * with the KV in cache, 0.50 ms from DRAM, against 0.33 / 1.0 ms for the previous per-KV-head,
- * per-tile-softmax kernel (bench/cpu_attention.py; docs/benchmarks.md).
+ * per-tile-softmax kernel (bench/cpu_attention.py; docs/benchmarks.md). Batch 16 x 320 tokens:
+ * from DRAM 0.47-0.48 ms a layer with the chunk-ahead prefetch and even chunks, against 0.555-0.564
+ * ms with the earlier prefetch (this tile's V, and the next chunk's K tile by tile at the same
+ * place only), in one interleaved run (session 13).
  */
 #include <math.h>
 #include <stdint.h>
@@ -421,6 +427,28 @@ static inline int64_t row_offset(const Cache *c, const int32_t *table, int64_t t
     return (blk * c->blk_stride + (t % c->block_size) * c->tok_stride) * elem_size(c->kv_dtype);
 }
 
+/* Prefetch into L2 the rows (all KV heads) of tokens [t_begin, t_end) of one cache (kv: c->k or
+ * c->v) through block table `table`, block by block. */
+static inline void prefetch_rows(const Cache *c, const char *kv, const int32_t *table,
+                                 int64_t t_begin, int64_t t_end) {
+    const int64_t step = c->tok_stride * elem_size(c->kv_dtype);
+    for (int64_t t = t_begin; t < t_end;) {
+        int64_t n = c->block_size - t % c->block_size;
+        if (n > t_end - t) n = t_end - t;
+        const char *p = kv + row_offset(c, table, t);
+        for (int64_t b = 0; b < n * step; b += 64) __builtin_prefetch(p + b, 0, 2);
+        t += n;
+    }
+}
+
+/* Tokens per chunk for a range of n tokens: at most CHUNK, the chunks as even as they can be (a
+ * 320-token context goes as 160 + 160, not 256 + 64), so the prefetch of each next chunk spreads
+ * over a chunk of about its own length. */
+static inline int64_t chunk_len(int64_t n) {
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    return chunks > 1 ? (n + chunks - 1) / chunks : n;
+}
+
 /* Attend all query heads of one sequence (queries as for tile_scores: qf [heads, D], qb,
  * sscale; head h * G + g belongs to KV head h) to its tokens [t_begin, t_end) through block table
  * `table`. On return m [heads], l [heads] and acc [heads, D] hold each head's softmax state: the
@@ -435,7 +463,7 @@ static inline int64_t row_offset(const Cache *c, const int32_t *table, int64_t t
 static void attend_range(const Cache *c, int G, int dtype, const int32_t *table, const float *qf,
                          const uint16_t *qb, float sscale, int64_t t_begin, int64_t t_end,
                          float *m, float *l, float *acc, const int32_t *next_table,
-                         int64_t next_begin, int64_t next_end) {
+                         int64_t next_begin, int64_t next_end, int prefetched) {
     const int D = c->head_dim, es = elem_size(c->kv_dtype), heads = G * c->kv_heads;
     const int64_t step = c->tok_stride * es, ss = CHUNK + TILE; /* scores row stride */
     float s[heads * ss];
@@ -444,8 +472,18 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
         l[i] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)heads * (size_t)D);
+    const int64_t clen = chunk_len(t_end - t_begin);
     for (int64_t c0 = t_begin; c0 < t_end;) {
-        const int64_t c1 = t_end - c0 > CHUNK ? c0 + CHUNK : t_end;
+        const int64_t c1 = c0 + clen < t_end ? c0 + clen : t_end;
+        const int first = c0 == t_begin && !prefetched;
+        const int32_t *pf_table = table; /* the next chunk: tokens [pf_begin, pf_end) */
+        int64_t pf_begin = c1, pf_end = c1 + clen < t_end ? c1 + clen : t_end;
+        if (c1 == t_end) {
+            pf_table = next_table;
+            pf_begin = next_begin;
+            pf_end = next_begin + chunk_len(next_end - next_begin);
+        }
+        if (!pf_table || pf_begin >= pf_end) pf_table = NULL;
         for (int phase = 0; phase < 2; phase++) {
             if (phase == 1)
                 for (int i = 0; i < heads; i++)
@@ -454,28 +492,18 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
                 const int cnt = tile_len(c, t0, c1);
                 const int64_t base = row_offset(c, table, t0);
                 const char *kvp = phase == 0 ? c->k : c->v;
-                { /* prefetch into L2 (a measured ~20% off a cold step) what comes next: in phase
-                   * 0 this tile's V rows, in phase 1 the tile at the same place in the next
-                   * chunk, or in the next item's first chunk after the last one */
-                    const char *pb = NULL;
-                    int64_t pbytes = 0;
-                    if (phase == 0) {
-                        pb = c->v + base;
-                        pbytes = cnt * step;
-                    } else {
-                        const int32_t *tb = table;
-                        int64_t tn = t0 + CHUNK, te = t_end;
-                        if (c1 == t_end) {
-                            tb = next_table;
-                            tn = next_begin + (t0 - c0);
-                            te = next_end;
-                        }
-                        if (tb && tn < te) {
-                            pb = c->k + row_offset(c, tb, tn);
-                            pbytes = tile_len(c, tn, te) * step;
-                        }
-                    }
-                    for (int64_t b = 0; b < pbytes; b += 64) __builtin_prefetch(pb + b, 0, 2);
+                /* prefetch into L2 the chunk after this one (the rest of this sequence, or the
+                 * next item's first chunk): in phase 0 its K rows, in phase 1 its V rows, a share
+                 * of its tokens proportional to this tile's share of this chunk. The loads then
+                 * flow evenly under both phases' compute, a chunk ahead of their use (two
+                 * chunks of SmolLM2's K/V: ~400 KB of L2). The first chunk of a call had nothing
+                 * ahead of it: there phase 0 also fetches this tile's own V rows. */
+                if (first && phase == 0) prefetch_rows(c, c->v, table, t0, t0 + cnt);
+                if (pf_table) {
+                    const int64_t len = c1 - c0, pn = pf_end - pf_begin;
+                    prefetch_rows(c, phase == 0 ? c->k : c->v, pf_table,
+                                  pf_begin + (t0 - c0) * pn / len,
+                                  pf_begin + (t0 + cnt - c0) * pn / len);
                 }
                 for (int h = 0; h < c->kv_heads; h++)
                     for (int g0 = 0; g0 < G; g0 += GMAX) { /* query heads in passes of <= GMAX */
@@ -567,7 +595,9 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
             next_table = tables + i2 * table_stride;
         }
         attend_range(&c, G, dp ? PD_BF16_DP : kv_dtype, tables + i * table_stride, qf, qb,
-                     dp ? scale : 1.0f, t_begin, t_end, m, l, acc, next_table, nb, ne);
+                     dp ? scale : 1.0f, t_begin, t_end, m, l, acc, next_table, nb, ne,
+                     /* on one thread, item it - 1 prefetched this item's first chunk */
+                     num_threads <= 1 && it > 0);
         if (S == 1) {
             char *orow = (char *)out + row * o_tok_stride * elem_size(q_dtype);
             for (int hq = 0; hq < heads; hq++) {
