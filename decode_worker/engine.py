@@ -9,6 +9,17 @@ It owns the ModelRunner (weights, KV pool, sampler), a :class:`KVCacheManager` o
     step: schedule (expire, admit, decodes + preemption, local prefill chunks)
           ──> runner.run (one forward; releases the GIL) ──> update ──> events to sinks
 
+With a **prefill thread** (``prefill_thread``; unified mode's default where the worker has two or
+more CPU threads), local prompts are not chunks of the decode steps: a second thread runs their
+prefill steps (``schedule_prefill`` -> ``runner.run`` -> ``update_prefill``) concurrently with the
+decode loop, each thread with half of the worker's intra-op threads, over the same weights and KV
+pool (disjoint blocks), and a finished prompt joins the decode batch at the next step boundary as
+a remote prompt does when its KV arrives. On a 2-core CPU this is the disaggregated layout inside
+one process, without a KV transfer: two single-threaded loops that never wait for each other,
+where one two-threaded loop syncs both threads at every parallel region and stretches the steps
+that carry a prompt chunk (see docs/benchmarks.md, session 13). ``runner.run`` releases the GIL
+for its kernels, so the two forwards overlap.
+
 The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
 KV arrivals are completed on the receiver's threads: their callbacks only queue a notice and
 wake the loop (they never take the engine lock, so a receiver that completes futures under its
@@ -25,6 +36,7 @@ import itertools
 import logging
 import queue
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -33,10 +45,11 @@ from typing import TYPE_CHECKING
 
 from decode_worker.request import Accepted, DecodeEvent, DecodeRequest, is_terminal
 from decode_worker.scheduler import DecodeScheduler, admission_watermark
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig, prefill_step_budget
 from pdserve.engine.errors import (
     DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
+    INTERNAL,
     INVALID_ARGUMENT,
     UNAVAILABLE,
     EngineError,
@@ -54,6 +67,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[DecodeEvent], None]
+
+
+def use_prefill_thread(setting: bool | None, allow_local_prefill: bool, num_threads: int) -> bool:
+    """Whether a decode worker runs its local prefills on a thread of their own:
+    ``setting`` (``SchedulerConfig.local_prefill_thread``) when given, else (automatic) where the
+    worker has at least 2 intra-op threads to split; never without local prefill."""
+    if not allow_local_prefill:
+        return False
+    return num_threads >= 2 if setting is None else setting
 
 
 @dataclass(frozen=True)
@@ -85,7 +107,11 @@ class DecodeEngine(WorkerEngine):
     ``receiver``: the worker's KV receiver, scattering into ``runner.kv_pool``; None = the
     engine only serves local prefills (remote requests are refused with UNAVAILABLE).
     ``allow_local_prefill``: unified mode allowed (``prefill_locally`` requests; refused with
-    FAILED_PRECONDITION otherwise). ``default_kv_timeout_s``: how long a reservation waits for its
+    FAILED_PRECONDITION otherwise). ``prefill_thread``: compute local prompts on a thread of their
+    own (see module docstring; :meth:`start` starts it; without :meth:`start`, :meth:`step` runs a
+    prefill step before each decode step, so tests and offline use see the same results). The
+    caller sets the intra-op thread count each loop should use before building ``runner``
+    (compiled kernels keep the count they were built with); :meth:`build` does. ``default_kv_timeout_s``: how long a reservation waits for its
     KV when the request names no timeout (default ``config.transfer.timeout_s``). ``clock``: wall
     time in seconds (deadlines are ``time.time()`` values). ``faults``: fault injection (see
     pdserve/engine/faults.py). Raises ConfigError while building the runner.
@@ -100,6 +126,7 @@ class DecodeEngine(WorkerEngine):
         runner: ModelRunner | None = None,
         receiver: KVReceiver | None = None,
         allow_local_prefill: bool = True,
+        prefill_thread: bool = False,
         default_kv_timeout_s: float | None = None,
         idle_poll_s: float = 0.05,
         clock: Callable[[], float] = time.time,
@@ -113,6 +140,7 @@ class DecodeEngine(WorkerEngine):
         self.worker_id = worker_id
         self.receiver = receiver
         self.allow_local_prefill = allow_local_prefill
+        self.prefill_thread = prefill_thread and allow_local_prefill
         self.clock = clock
         mc = runner.model_config
         self.scheduler = DecodeScheduler(
@@ -125,6 +153,8 @@ class DecodeEngine(WorkerEngine):
             watermark_blocks=admission_watermark(runner.num_blocks),
             check_sampling=runner.sampler.check,
             clock=clock,
+            prefill_thread=self.prefill_thread,
+            prefill_step_tokens=prefill_step_budget(config.scheduler, runner.device.type),
         )
         self._kv_notices: queue.SimpleQueue[tuple[str, int, Future[TransferResult]]] = (
             queue.SimpleQueue()
@@ -134,6 +164,9 @@ class DecodeEngine(WorkerEngine):
         # addressed to its previous incarnation. Kept below 2^62 (the header is int64).
         self._transfer_ids = itertools.count(random.getrandbits(40) << 20 | 1)
         self._owns_receiver = False  # build() made it: shutdown() closes it
+        self._prefill_wake = threading.Event()
+        self._prefill_loop: threading.Thread | None = None
+        self._inline_prefill = True  # step() runs the prefill steps until start() starts a loop
 
     @classmethod
     def build(
@@ -148,11 +181,21 @@ class DecodeEngine(WorkerEngine):
     ) -> DecodeEngine:
         """Load the model per ``config.load`` (``model_config`` for dummy weights) and open the
         KV receiver of ``config.transfer.backend`` on ``config.transfer.host:kv_port`` (0 = a
-        free port), scattering into the runner's pool. Raises ConfigError / ValueError."""
+        free port), scattering into the runner's pool. With a prefill thread
+        (:func:`use_prefill_thread` of ``config.scheduler.local_prefill_thread``) it first halves
+        this process's intra-op threads (``torch.set_num_threads``), one half per loop. Raises
+        ConfigError / ValueError."""
+        import torch
+
         from kv_transfer import make_receiver
         from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
 
+        threads = torch.get_num_threads()
+        setting = config.scheduler.local_prefill_thread
+        prefill_thread = use_prefill_thread(setting, allow_local_prefill, threads)
+        if prefill_thread:
+            torch.set_num_threads(max(1, threads // 2))
         runner = ModelRunner(config, model_config)
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
         receiver = make_receiver(config.transfer, runner.kv_pool, layout, port=kv_port)
@@ -162,6 +205,7 @@ class DecodeEngine(WorkerEngine):
             runner=runner,
             receiver=receiver,
             allow_local_prefill=allow_local_prefill,
+            prefill_thread=prefill_thread,
             faults=faults,
         )
         engine._owns_receiver = True
@@ -230,6 +274,11 @@ class DecodeEngine(WorkerEngine):
             raise EngineError(UNAVAILABLE, f"KV receiver refused: {e}") from e
         fut.add_done_callback(lambda f: self._on_kv(rid, transfer_id, f))
 
+    def wake(self) -> None:
+        """Make both loops look for work now (new work arrived)."""
+        super().wake()
+        self._prefill_wake.set()
+
     def abort(self, request_id: str) -> bool:
         """Drop ``request_id`` (CANCELLED event), free its blocks, forget its KV transfer.
 
@@ -295,9 +344,77 @@ class DecodeEngine(WorkerEngine):
 
     # ------------------------------------------------------------------------------- stepping
     def has_work(self) -> bool:
-        """True while a step would compute or admit something (or a KV notice is queued)."""
+        """True while a step would compute or admit something (or a KV notice is queued), the
+        prefill thread's steps included."""
         with self._lock:
-            return self.scheduler.has_work() or not self._kv_notices.empty()
+            return (
+                self.scheduler.has_work()
+                or self.scheduler.has_prefill_work()
+                or not self._kv_notices.empty()
+            )
+
+    def start(self) -> None:
+        """Start the step loop and, with ``prefill_thread``, the prefill loop (idempotent).
+        Raises RuntimeError after :meth:`shutdown`."""
+        with self._lock:
+            if self.prefill_thread and self._prefill_loop is None and not self.is_closed:
+                self._inline_prefill = False  # before either loop runs a step
+                self._prefill_loop = threading.Thread(
+                    target=self._run_prefill_loop, name=f"{self.name}-prefill", daemon=True
+                )
+                self._prefill_loop.start()
+        super().start()
+
+    def _run_prefill_loop(self) -> None:
+        while not self.is_closed:
+            self._prefill_wake.clear()  # before looking at the state, so no wake-up is lost
+            try:
+                computed = self.prefill_step()
+            except Exception as e:  # noqa: BLE001 - a bug: fail what is live, keep serving
+                log.exception("%s prefill step failed", self.name)
+                self._fail_all(
+                    INTERNAL, f"{self.name} prefill step failed: {type(e).__name__}: {e}"
+                )
+                computed = 0
+            if computed == 0:
+                self._prefill_wake.wait(self.idle_poll_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop both loops, then as :meth:`WorkerEngine.shutdown`. Idempotent."""
+        with self._lock:
+            self._closed = True
+            thread, self._prefill_loop = self._prefill_loop, None
+        self._prefill_wake.set()
+        if thread is not None:
+            thread.join(timeout_s)
+        super().shutdown(timeout_s)
+
+    def prefill_step(self) -> int:
+        """Run one prefill-thread step (chunks of queued local prompts; see module docstring).
+        Returns the number of prompt tokens computed (0 when none were queued). A runner
+        exception fails that step's requests (INTERNAL) and is logged, not raised."""
+        with self._lock:
+            output = self.scheduler.schedule_prefill()
+            self._flush()
+            if output.is_empty:
+                self.scheduler.update_prefill(output, [])
+                return 0
+        try:
+            out = self.runner.run(output.scheduled)
+        except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
+            log.exception("prefill forward failed for %d sequences", len(output.scheduled))
+            with self._lock:
+                self.scheduler.fail_prefill_step(output, f"forward failed: {type(e).__name__}: {e}")
+                self._flush()
+            return 0
+        with self._lock:
+            try:
+                self.scheduler.update_prefill(output, out.tokens, out.prompt_logprobs)
+            except ValueError as e:
+                self.scheduler.fail_prefill_step(output, str(e))
+            self._flush()
+        super().wake()  # prompts that finished join the decode batch at once
+        return output.num_scheduled_tokens
 
     @property
     def num_live(self) -> int:
@@ -310,7 +427,12 @@ class DecodeEngine(WorkerEngine):
         Returns the number of tokens computed (0 when nothing ran).
 
         A runner exception fails that step's requests (INTERNAL) and is logged, not raised.
+        With ``prefill_thread`` but no prefill loop running (:meth:`start` not called), a prefill
+        step runs first, in this thread.
         """
+        computed = 0
+        if self.prefill_thread and self._inline_prefill:
+            computed = self.prefill_step()
         with self._lock:
             self._apply_kv_notices()
             if self.faults is not None and self.scheduler.num_running:
@@ -319,7 +441,7 @@ class DecodeEngine(WorkerEngine):
             self._flush()
             if output.is_empty:
                 self.scheduler.update_from_output(output, [])
-                return 0
+                return computed
         t0 = time.perf_counter()
         try:
             out = self.runner.run(output.scheduled)
@@ -328,7 +450,7 @@ class DecodeEngine(WorkerEngine):
             with self._lock:
                 self.scheduler.fail_step(output, f"forward failed: {type(e).__name__}: {e}")
                 self._flush()
-            return 0
+            return computed
         duration = time.perf_counter() - t0
         with self._lock:
             try:
@@ -337,7 +459,7 @@ class DecodeEngine(WorkerEngine):
                 self.scheduler.fail_step(output, str(e))
             self._flush()
             self._record_step(duration, output.num_sampled, len(output.seqs))
-        return output.num_scheduled_tokens
+        return computed + output.num_scheduled_tokens
 
     # ------------------------------------------------------------------------------- stats
     def stats(self) -> DecodeEngineStats:

@@ -3,23 +3,29 @@
 Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core.md)::
 
     add_request ──remote──> WAITING_FOR_KV ──kv_arrived──> WAITING ──admit──> RUNNING ──> finished
-                └─local───────────────────────────────────> WAITING            │
-                                                                               └─> preempted
+                ├─local───────────────────────────────────> WAITING            │
+                └─local, prefill thread─> PREFILLING ─prompt done─> WAITING    └─> preempted
 
 ``add_request`` reserves KV for the whole prompt at once, leaving an admission watermark free;
 ``schedule`` admits waiting sequences FIFO up to ``max_num_seqs``, gives every decoding sequence
 one token (preempting the newest running sequence when no block is free), then prefill chunks of
 local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
-tokens and applies the stop check. Events and released transfer ids go to an outbox (``drain``).
+tokens and applies the stop check. With ``prefill_thread`` (see DecodeEngine), local prompts skip
+the decode steps instead: ``schedule_prefill`` / ``update_prefill`` plan and apply the steps of
+the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
+prompt whose last chunk sampled token 1 joins the waiting queue like a remote prompt whose KV
+arrived. The two kinds of step touch disjoint sequences. Events and released transfer ids go to an outbox (``drain``).
 Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
 sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
 the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.
 
-The file runs a little past 450 lines: the sequence state machine (intake, KV arrival, the step,
-preemption, release) shares one set of queues and the in-step bookkeeping, and reads best whole.
+The file runs past 550 lines: the sequence state machine (intake, KV arrival, the decode step,
+the prefill thread's step, preemption, release) shares one set of queues and the in-step
+bookkeeping, and reads best whole.
 
 NOTE: blocks of a sequence inside the step being computed are freed only in
-``update_from_output``, so a block the forward is writing is never handed to another request.
+``update_from_output`` (``update_prefill`` for a prefill-thread step), so a block a forward is
+writing is never handed to another request.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class SeqState(enum.Enum):
     """Where a sequence is in its lifecycle (see module docstring)."""
 
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; KV transfer pending
+    PREFILLING = "prefilling"  # local prompt queued for (or in) the prefill thread's steps
     WAITING = "waiting"  # KV present (or local prefill pending); waiting for a batch slot
     RUNNING = "running"  # admitted: prefilling locally in chunks, or decoding
     DONE = "done"  # finished, preempted, aborted or failed; holds no blocks (or will not soon)
@@ -106,8 +113,10 @@ class DecodeScheduler:
     ``eos_token_ids``: the model's EOS ids. ``default_kv_timeout_s``: seconds a reservation waits
     for its KV when the request names none. ``watermark_blocks``: blocks a new reservation must
     leave free. ``check_sampling``: the sampler's check of a request's sampling values (raises
-    SamplingError). ``clock``: wall time in seconds (``time.time``). Not thread-safe: the engine
-    serialises calls.
+    SamplingError). ``clock``: wall time in seconds (``time.time``). ``prefill_thread``: local
+    prompts are computed by :meth:`schedule_prefill` steps (the engine's prefill thread), not inside
+    decode steps; ``prefill_step_tokens`` caps the prompt tokens of such a step (0 =
+    ``max_num_batched_tokens``). Not thread-safe: the engine serialises calls.
     """
 
     def __init__(
@@ -122,6 +131,8 @@ class DecodeScheduler:
         watermark_blocks: int = 0,
         check_sampling: Callable[[SamplingParams], None] | None = None,
         clock: Callable[[], float] = time.time,
+        prefill_thread: bool = False,
+        prefill_step_tokens: int = 0,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
@@ -142,6 +153,11 @@ class DecodeScheduler:
         self.clock = clock
         threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens // 2
         self.chunk_size = max(1, min(threshold, config.max_num_batched_tokens))
+        self.prefill_thread = prefill_thread
+        self.prefill_step_tokens = prefill_step_tokens or config.max_num_batched_tokens
+        self._prefilling: deque[DecodeSeq] = deque()  # local prompts of the prefill thread, FIFO
+        self._in_prefill: set[str] = set()  # keys of sequences in the prefill step being computed
+        self._deferred_prefill_free: list[str] = []
         self._seqs: dict[str, DecodeSeq] = {}  # live attempts by request id
         self._waiting: deque[DecodeSeq] = deque()  # KV present, waiting for a batch slot
         self._running: list[DecodeSeq] = []  # admission order, oldest first
@@ -167,12 +183,17 @@ class DecodeScheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting for a batch slot: remote ones whose KV arrived and local prefills."""
-        return len(self._waiting)
+        """Sequences waiting for a batch slot: remote ones whose KV arrived and local prefills
+        (those of the prefill thread included)."""
+        return len(self._waiting) + len(self._prefilling)
 
     def has_work(self) -> bool:
-        """True when a step would compute something (or admit a waiting sequence)."""
+        """True when a decode step would compute something (or admit a waiting sequence)."""
         return bool(self._running or self._waiting)
+
+    def has_prefill_work(self) -> bool:
+        """True when a prefill-thread step would compute something."""
+        return bool(self._prefilling)
 
     def get(self, request_id: str) -> DecodeSeq | None:
         """The live attempt of ``request_id``, or None."""
@@ -246,8 +267,12 @@ class DecodeScheduler:
         self._seqs[req.request_id] = seq
         if req.prefill_locally:
             seq.num_computed = seq.num_cached = num_cached
-            seq.state = SeqState.WAITING
-            self._waiting.append(seq)
+            if self.prefill_thread:
+                seq.state = SeqState.PREFILLING
+                self._prefilling.append(seq)
+            else:
+                seq.state = SeqState.WAITING
+                self._waiting.append(seq)
         else:
             timeout = req.kv_timeout_s or self.default_kv_timeout_s
             seq.kv_deadline = self.clock() + timeout
@@ -376,6 +401,71 @@ class DecodeScheduler:
         self._in_step = {s.key for s in out.seqs}
         return out
 
+    def schedule_prefill(self) -> DecodeOutput:
+        """Plan the prefill thread's next step: chunks of the queued local prompts in arrival
+        order, at most ``prefill_step_tokens`` tokens and ``max_num_seqs`` prompts in all (with
+        chunked prefill off, whole prompts only). Expires deadlines first; events go to the outbox.
+
+        Raises RuntimeError if the previous prefill step was not passed to :meth:`update_prefill`
+        (or :meth:`fail_prefill_step`).
+        """
+        if self._in_prefill:
+            raise RuntimeError("schedule_prefill() called before update_prefill() of the last step")
+        self.expire()
+        out = DecodeOutput()
+        left = self.prefill_step_tokens
+        for seq in self._prefilling:
+            if left <= 0 or len(out.seqs) >= self.config.max_num_seqs:
+                break
+            remaining = seq.num_remaining_prompt_tokens
+            n = min(remaining, left)
+            if not self.config.enable_chunked_prefill and n < remaining:
+                break  # first come, first served: it runs whole in the next step
+            out.add(seq, seq.schedule(n, self.kv.block_table(seq.key)))
+            left -= n
+        self._in_prefill = {s.key for s in out.seqs}
+        return out
+
+    def update_prefill(
+        self,
+        output: DecodeOutput,
+        sampled: Sequence[SampledToken | None],
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None = None,
+    ) -> None:
+        """Apply a computed prefill-thread step (arguments as :meth:`update_from_output`): a
+        prompt whose last chunk ran gets token 1 (its first TokensEvent) and waits for a batch slot,
+        or finishes when token 1 ends it. Raises ValueError when the lengths differ (the step
+        then counts as not run)."""
+        if len(sampled) != len(output.scheduled):
+            self._end_prefill_step()
+            raise ValueError(
+                f"runner returned {len(sampled)} results for {len(output.scheduled)} seqs"
+            )
+        for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
+            if seq.state is not SeqState.PREFILLING:
+                continue  # aborted or expired mid-step; freed below
+            seq.num_computed += len(sched.token_ids)
+            self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
+            if prompt_logprobs and seq.request_id in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
+            if not sched.sample:
+                continue
+            if tok is None:
+                self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
+                continue
+            self._prefilling.remove(seq)
+            seq.state = SeqState.WAITING
+            self._waiting.append(seq)
+            self._sampled(seq, tok)
+        self._end_prefill_step()
+
+    def fail_prefill_step(self, output: DecodeOutput, message: str) -> None:
+        """The runner raised on a prefill-thread step: end its sequences with INTERNAL."""
+        self._end_prefill_step()
+        for seq in output.seqs:
+            if seq.state is not SeqState.DONE:
+                self._fail(seq, INTERNAL, message)
+
     def update_from_output(
         self,
         output: DecodeOutput,
@@ -406,12 +496,7 @@ class DecodeScheduler:
             if tok is None:
                 self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
                 continue
-            reason = seq.append_token(tok.token_id, self.eos_token_ids, self.max_model_len)
-            self.num_generated_tokens += 1
-            prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
-            self._events.append((seq.request_id, TokensEvent((tok,), prompt_lps)))
-            if reason is not None:
-                self._finish(seq, reason)
+            self._sampled(seq, tok)
         self._end_step()
 
     def fail_step(self, output: DecodeOutput, message: str) -> None:
@@ -435,6 +520,9 @@ class DecodeScheduler:
         for seq in self._waiting:
             if seq.state is not SeqState.WAITING:
                 raise AssertionError(f"{seq.key} is in the waiting queue as {seq.state}")
+        for seq in self._prefilling:
+            if seq.state is not SeqState.PREFILLING:
+                raise AssertionError(f"{seq.key} is in the prefill queue as {seq.state}")
         for rid, seq in self._seqs.items():
             if seq.state is SeqState.DONE or rid != seq.request_id:
                 raise AssertionError(f"live map holds {seq.key} in state {seq.state}")
@@ -445,6 +533,16 @@ class DecodeScheduler:
         self.kv.check_integrity()
 
     # ------------------------------------------------------------------------------- internals
+    def _sampled(self, seq: DecodeSeq, tok: SampledToken) -> None:
+        """Append ``tok`` to ``seq`` (sampled here), emit it with the gathered prompt logprobs,
+        finish ``seq`` when it ends the request."""
+        reason = seq.append_token(tok.token_id, self.eos_token_ids, self.max_model_len)
+        self.num_generated_tokens += 1
+        prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
+        self._events.append((seq.request_id, TokensEvent((tok,), prompt_lps)))
+        if reason is not None:
+            self._finish(seq, reason)
+
     def _finish(self, seq: DecodeSeq, reason: str) -> None:
         self.num_finished += 1
         self._release(seq, FinishedEvent(reason, len(seq.output_token_ids)))
@@ -466,11 +564,15 @@ class DecodeScheduler:
             self._running.remove(seq)
         elif prev is SeqState.WAITING:
             self._waiting.remove(seq)
+        elif prev is SeqState.PREFILLING:
+            self._prefilling.remove(seq)
         elif prev is SeqState.WAITING_FOR_KV and release_transfer:
             self._released_transfers.append(seq.transfer_id)
         self._events.append((seq.request_id, event))
         if seq.key in self._in_step:
             self._deferred_free.append(seq.key)
+        elif seq.key in self._in_prefill:
+            self._deferred_prefill_free.append(seq.key)
         else:
             self.kv.free(seq.key)
 
@@ -479,3 +581,9 @@ class DecodeScheduler:
         for key in self._deferred_free:
             self.kv.free(key)
         self._deferred_free = []
+
+    def _end_prefill_step(self) -> None:
+        self._in_prefill = set()
+        for key in self._deferred_prefill_free:
+            self.kv.free(key)
+        self._deferred_prefill_free = []

@@ -273,7 +273,11 @@ class SchedulerConfig:
     ``max_num_batched_tokens // 2``).
     ``prefill_max_num_batched_tokens``: a prefill worker's tokens per step (0 = automatic: on a
     CPU ``min(max_num_batched_tokens, 256)``, elsewhere ``max_num_batched_tokens``; see
-    :func:`prefill_worker.scheduler.prefill_step_budget`).
+    :func:`prefill_step_budget`).
+    ``local_prefill_thread``: a decode worker that prefills locally (unified mode) computes its
+    prompts on a thread of their own, concurrently with the decode steps, each thread on half of
+    the worker's CPU threads, instead of as chunks inside the decode steps (None = automatic: on
+    where the worker has at least 2 threads; see decode_worker/engine.py).
     """
 
     max_num_batched_tokens: int = 2048
@@ -282,6 +286,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     prefill_max_num_batched_tokens: int = 0
+    local_prefill_thread: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -311,6 +316,35 @@ class SchedulerConfig:
                 "--prefill-max-num-batched-tokens must be >= --max-model-len when chunked "
                 "prefill is off"
             )
+
+
+CPU_PREFILL_STEP_TOKENS = 256
+"""Default prefill step budget on a CPU (tokens). A CPU's cost per prompt token stops falling at a
+few hundred tokens a step (measured, SmolLM2-135M bf16, one thread, compiled: 1.04 ms per token in
+a 64-token step, 0.61 at 256, 0.49-0.57 at 512-2048), so a bigger step buys little throughput
+while every prompt in it waits for the whole batch: a burst of eight 64-token prompts computed as
+two 256-token steps instead of one 512-token step gets its first tokens ~25% sooner on average.
+This is DistServe's point about prefill batching past the length where the device saturates (Zhong
+et al., "DistServe", OSDI 2024, section 3.1). Measured in the serving suite's mixed workload
+(eight closed-loop 64-token clients, alone and beside 1500-token prompts; session 6 of
+docs/benchmarks.md), two interleaved pairs of 2048- against 256-token steps (both with 256-token
+long chunks and the long/short alternation of prefill_worker/scheduler.py): short mean TTFT alone 205 / 231 -> 136 / 165 ms, beside
+the long prompts 249 / 330 -> 206 / 335 ms, the long prompts' 1.3-1.5 s either way. 128-token long
+chunks cut the mixed TTFT further (186-279 ms in other runs) but make every prompt over 128
+tokens long, so a burst of 280-token prompts ran 128 tokens a step; that default was not kept."""
+
+
+def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
+    """Tokens per prefill step (a prefill worker's, or a decode worker's prefill thread's) on ``device_type`` ('cpu', 'cuda', ...):
+    ``prefill_max_num_batched_tokens`` when set, else on a CPU
+    ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, elsewhere
+    ``max_num_batched_tokens``. Without chunked prefill a prompt must fit one step, so the budget
+    is then ``max_num_batched_tokens`` unless set explicitly."""
+    if config.prefill_max_num_batched_tokens:
+        return config.prefill_max_num_batched_tokens
+    if device_type != "cpu" or not config.enable_chunked_prefill:
+        return config.max_num_batched_tokens
+    return min(config.max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)
 
 
 @dataclass(frozen=True)

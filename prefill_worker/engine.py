@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig, prefill_step_budget
 from pdserve.engine.errors import (
     ALREADY_EXISTS,
     CANCELLED,
@@ -47,7 +47,7 @@ from pdserve.structured.grammar import resume_matcher
 from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillResult, PrefillState
-from prefill_worker.scheduler import PrefillScheduler, PrefillSeq, prefill_step_budget
+from prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 
 if TYPE_CHECKING:
     from pdserve.engine.runner import ModelRunner

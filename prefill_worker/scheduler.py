@@ -1,7 +1,7 @@
 """Prefill scheduler (no torch): chunked, batched prefill with automatic prefix caching.
 
 Each ``schedule()`` call packs prompt chunks of several requests into one step under the prefill
-step budget B (:func:`prefill_step_budget`: ``prefill_max_num_batched_tokens``, by default at
+step budget B (:func:`pdserve.config.prefill_step_budget`: ``prefill_max_num_batched_tokens``, by default at
 most 256 tokens on a CPU) and ``max_num_seqs``.
 
 Policy (short prompts never wait for whole long prompts; long prompts always progress):
@@ -87,34 +87,6 @@ CPU computes a 256-token chunk in about 0.3-2 s depending on its context and the
 so a short prompt waits about a second for a step of long-prompt work; larger chunks made steps
 (and that wait) grow faster than their size. A server with more compute per step (a GPU) sets
 ``--long-prefill-token-threshold`` itself."""
-
-CPU_PREFILL_STEP_TOKENS = 256
-"""Default prefill step budget on a CPU (tokens). A CPU's cost per prompt token stops falling at a
-few hundred tokens a step (measured, SmolLM2-135M bf16, one thread, compiled: 1.04 ms per token in
-a 64-token step, 0.61 at 256, 0.49-0.57 at 512-2048), so a bigger step buys little throughput
-while every prompt in it waits for the whole batch: a burst of eight 64-token prompts computed as
-two 256-token steps instead of one 512-token step gets its first tokens ~25% sooner on average.
-This is DistServe's point about prefill batching past the length where the device saturates (Zhong
-et al., "DistServe", OSDI 2024, section 3.1). Measured in the serving suite's mixed workload
-(eight closed-loop 64-token clients, alone and beside 1500-token prompts; session 6 of
-docs/benchmarks.md), two interleaved pairs of 2048- against 256-token steps (both with 256-token
-long chunks and the alternation above): short mean TTFT alone 205 / 231 -> 136 / 165 ms, beside
-the long prompts 249 / 330 -> 206 / 335 ms, the long prompts' 1.3-1.5 s either way. 128-token long
-chunks cut the mixed TTFT further (186-279 ms in other runs) but make every prompt over 128
-tokens long, so a burst of 280-token prompts ran 128 tokens a step; that default was not kept."""
-
-
-def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
-    """A prefill worker's tokens per step on ``device_type`` ('cpu', 'cuda', ...):
-    ``prefill_max_num_batched_tokens`` when set, else on a CPU
-    ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, elsewhere
-    ``max_num_batched_tokens``. Without chunked prefill a prompt must fit one step, so the budget
-    is then ``max_num_batched_tokens`` unless set explicitly."""
-    if config.prefill_max_num_batched_tokens:
-        return config.prefill_max_num_batched_tokens
-    if device_type != "cpu" or not config.enable_chunked_prefill:
-        return config.max_num_batched_tokens
-    return min(config.max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)
 
 
 def default_long_threshold(max_num_batched_tokens: int) -> int:

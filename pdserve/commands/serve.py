@@ -119,6 +119,16 @@ class ServePlan:
     router_flags: tuple[str, ...] = ()  # flags a joining `pdserve router` must repeat
 
 
+def local_prefill_thread(args: argparse.Namespace) -> bool | None:
+    """``--local-prefill-thread`` when given; else automatic (None) where decode workers prefill
+    every prompt (unified mode, or disaggregated with no prefill workers), and off in
+    disaggregated mode, whose decode workers prefill only the few prompts of conditional
+    disaggregation and keep all their threads for decoding."""
+    if args.local_prefill_thread is not None:
+        return bool(args.local_prefill_thread)
+    return None if args.mode == "unified" or args.num_prefill_workers == 0 else False
+
+
 def build_plan(args: argparse.Namespace) -> ServePlan:
     """Validate flags and read the model config (no weights). Raises ConfigError naming the flag."""
     from pdserve.attention.selector import select_attention_backend
@@ -159,6 +169,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
+            local_prefill_thread=local_prefill_thread(args),
         ),
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
         worker_host=args.worker_host,

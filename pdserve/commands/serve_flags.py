@@ -187,6 +187,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "on prefill workers; // 2 for a decode worker's local prefills)",
     )
     g.add_argument(
+        "--local-prefill-thread",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a decode worker computes its local prompts (unified mode) on a thread of their own, "
+        "concurrently with the decode steps, each on half of the worker's threads, instead of as "
+        "chunks inside the decode steps (default: on in unified mode where a worker has 2 or "
+        "more threads)",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=CacheConfig.enable_prefix_caching,

@@ -56,11 +56,18 @@ def tiny_config(
 
 
 def tiny_engine(**kw: object) -> DecodeEngine:
-    """A DecodeEngine on TINY; keyword args go to :func:`tiny_config` except ``receiver`` and
-    ``clock`` (wall seconds, for deadlines)."""
+    """A DecodeEngine on TINY; keyword args go to :func:`tiny_config` except ``receiver``,
+    ``clock`` (wall seconds, for deadlines) and ``prefill_thread``."""
     receiver = kw.pop("receiver", None)
     clock = kw.pop("clock", time.time)
-    return DecodeEngine(tiny_config(**kw), model_config=TINY, receiver=receiver, clock=clock)  # type: ignore[arg-type]
+    prefill_thread = bool(kw.pop("prefill_thread", False))
+    return DecodeEngine(
+        tiny_config(**kw),  # type: ignore[arg-type]
+        model_config=TINY,
+        receiver=receiver,  # type: ignore[arg-type]
+        clock=clock,  # type: ignore[arg-type]
+        prefill_thread=prefill_thread,
+    )
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

@@ -7,6 +7,7 @@ scenario all blocks are free and the integrity checks hold.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -261,3 +262,45 @@ def test_a_local_prefill_reports_its_prefix_cache_hit() -> None:
     while not col.done("b"):
         eng.step()
     eng.check_integrity()
+
+
+def test_prefill_thread_outputs_equal_prefill_inside_decode_steps() -> None:
+    """Local prompts computed by the prefill thread, concurrently with the decode loop, give the
+    tokens of the in-step chunked prefill (greedy and seeded), and free every block."""
+    reqs = _requests(12, seed=5)
+    ref = tiny_engine(max_num_seqs=8, chunk=8, max_num_batched_tokens=32)
+    expected = {r.request_id: run_solo(ref, r) for r in reqs}
+    eng = tiny_engine(max_num_seqs=8, max_num_batched_tokens=32, prefill_thread=True)
+    threads: set[str] = set()
+    run = eng.runner.run
+
+    def recording_run(batch):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return run(batch)
+
+    eng.runner.run = recording_run  # type: ignore[method-assign]
+    col = Collector()
+    eng.start()
+    try:
+        for r in reqs:
+            eng.add_request(r, col.sink(r.request_id))
+        col.wait([r.request_id for r in reqs])
+        deadline = time.time() + 5
+        while eng.kv.num_free_blocks != eng.kv.num_blocks and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    finally:
+        eng.shutdown()
+    assert threads == {"decode-0-loop", "decode-0-prefill"}  # both loops computed
+    for r in reqs:
+        assert col.tokens(r.request_id) == expected[r.request_id], r.request_id
+        assert isinstance(col.last(r.request_id), FinishedEvent)
+    eng.check_integrity()
+    # without start(), step() runs a prefill step first: same tokens, stepped in one thread
+    inline = tiny_engine(max_num_seqs=8, max_num_batched_tokens=32, prefill_thread=True)
+    col2 = Collector()
+    for r in reqs:
+        inline.add_request(r, col2.sink(r.request_id))
+    inline.run_until_idle()
+    assert {r.request_id: col2.tokens(r.request_id) for r in reqs} == expected
+    assert inline.kv.num_free_blocks == inline.kv.num_blocks

@@ -54,6 +54,8 @@ def make(
     chunked: bool = True,
     caching: bool = False,
     clock: Clock | None = None,
+    prefill_thread: bool = False,
+    prefill_step_tokens: int = 0,
 ) -> DecodeScheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
     cfg = SchedulerConfig(
@@ -70,6 +72,8 @@ def make(
         vocab_size=VOCAB,
         eos_token_ids=(EOS,),
         clock=clock or Clock(),
+        prefill_thread=prefill_thread,
+        prefill_step_tokens=prefill_step_tokens,
     )
 
 
@@ -412,3 +416,71 @@ def test_update_checks_result_count() -> None:
         s.update_from_output(plan, [])
     s.update_from_output(s.schedule(), [SampledToken(5)])  # the step was not applied; it runs again
     assert s.drain()[0] == [("a", TokensEvent((SampledToken(5),)))]
+
+
+def prefill_step(s: DecodeScheduler, token: int | None = None) -> DecodeOutput:
+    plan = s.schedule_prefill()
+    s.update_prefill(plan, fake_runner(plan, token))
+    return plan
+
+
+def test_prefill_thread_keeps_local_prompts_out_of_decode_steps() -> None:
+    s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    s.add_request(req("d", 4, max_tokens=50), transfer_id=1)
+    s.kv_arrived("d", 1, SampledToken(3))
+    step(s)
+    s.add_request(req("p", 30, local=True, max_tokens=3))
+    s.add_request(req("q", 6, local=True, max_tokens=3))
+    assert s.state("p") is SeqState.PREFILLING and s.num_waiting == 2
+    # a decode step and a prefill step planned at once (the two threads) touch disjoint seqs
+    dplan = s.schedule()
+    pplan = s.schedule_prefill()
+    assert [x.request_id for x in dplan.scheduled] == ["d"]
+    assert [(x.request_id, len(x.token_ids), x.sample) for x in pplan.scheduled] == [
+        ("p", 16, False)
+    ]
+    with pytest.raises(RuntimeError):
+        s.schedule_prefill()  # the previous prefill step is still being computed
+    s.update_from_output(dplan, fake_runner(dplan))
+    s.update_prefill(pplan, fake_runner(pplan))
+    # arrival order: p's last 14 tokens, then q's first 2 (16 tokens a step)
+    plan = prefill_step(s)
+    assert [(x.request_id, len(x.token_ids), x.sample) for x in plan.scheduled] == [
+        ("p", 14, True),
+        ("q", 2, False),
+    ]
+    assert s.state("p") is SeqState.WAITING  # token 1 sampled: waits for a batch slot
+    assert [e for r, e in events_of(s) if r == "p"] == [TokensEvent((SampledToken(31),))]
+    plan = s.schedule()  # p joins the decode batch; q still prefilling
+    assert [x.request_id for x in plan.scheduled] == ["d", "p"]
+    s.update_from_output(plan, fake_runner(plan))
+    plan = prefill_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in plan.scheduled] == [("q", 4)]
+    assert not s.has_prefill_work()
+    s.check_integrity()
+
+
+def test_prefill_thread_abort_mid_step_eos_at_token_one_and_failures_free_blocks() -> None:
+    s = make(num_blocks=16, prefill_thread=True, prefill_step_tokens=8)
+    s.add_request(req("a", 12, local=True))
+    plan = s.schedule_prefill()
+    assert s.abort("a")
+    assert s.kv.num_free_blocks == 13  # the forward may still write a's 3 blocks
+    s.update_prefill(plan, fake_runner(plan))
+    assert events_of(s) == [("a", ErrorEvent(CANCELLED, "aborted"))]
+    assert s.kv.num_free_blocks == 16
+    s.add_request(req("eos", 4, local=True))
+    prefill_step(s, token=EOS)
+    assert events_of(s) == [
+        ("eos", TokensEvent((SampledToken(EOS),))),
+        ("eos", FinishedEvent("stop", 1)),
+    ]
+    assert s.kv.num_free_blocks == 16 and not s.has("eos")
+    s.add_request(req("bad", 4, local=True))
+    plan = s.schedule_prefill()
+    with pytest.raises(ValueError):
+        s.update_prefill(plan, [])
+    s.fail_prefill_step(plan, "forward failed")
+    assert events_of(s) == [("bad", ErrorEvent(INTERNAL, "forward failed"))]
+    assert s.kv.num_free_blocks == 16 and s.schedule_prefill().is_empty
+    s.check_integrity()

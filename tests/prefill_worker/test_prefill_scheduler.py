@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import ConfigError, SchedulerConfig
+from pdserve.config import (
+    CPU_PREFILL_STEP_TOKENS,
+    ConfigError,
+    SchedulerConfig,
+    prefill_step_budget,
+)
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
 from prefill_worker.scheduler import (
-    CPU_PREFILL_STEP_TOKENS,
     PrefillOutput,
     PrefillScheduler,
     PrefillSeq,
     default_long_threshold,
-    prefill_step_budget,
 )
 
 BS = 16
