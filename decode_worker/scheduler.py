@@ -14,7 +14,10 @@ tokens and applies the stop check. With ``prefill_thread`` (see DecodeEngine), l
 the decode steps instead: ``schedule_prefill`` / ``update_prefill`` plan and apply the steps of
 the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
 prompt whose last chunk sampled token 1 joins the waiting queue like a remote prompt whose KV
-arrived. The two kinds of step touch disjoint sequences. Events and released transfer ids go to an outbox (``drain``).
+arrived. The two kinds of step touch disjoint sequences. While fewer sequences decode than local
+prompts wait (a burst of new prompts, such as a closed loop of clients that all start over at
+once), a decode step also takes chunks of the prompts the prefill thread is not computing, up to
+the prefill step budget, so both threads prefill until the batch fills again. Events and released transfer ids go to an outbox (``drain``).
 Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
 sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
 the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.
@@ -47,7 +50,7 @@ from decode_worker.request import (
     TokensEvent,
 )
 from pdserve.config import SchedulerConfig
-from pdserve.engine.batch import SchedulerOutput
+from pdserve.engine.batch import ScheduledSeq, SchedulerOutput
 from pdserve.engine.errors import (
     ALREADY_EXISTS,
     CANCELLED,
@@ -398,6 +401,9 @@ class DecodeScheduler:
                 continue
             out.add(seq, seq.schedule(n, self.kv.block_table(seq.key)))
             left -= n
+        if self.prefill_thread and out.num_decode_tokens < len(self._prefilling):
+            left = min(budget - out.num_decode_tokens, self.prefill_step_tokens)
+            self._add_prompt_chunks(out, left, skip=self._in_prefill)
         self._in_step = {s.key for s in out.seqs}
         return out
 
@@ -413,18 +419,25 @@ class DecodeScheduler:
             raise RuntimeError("schedule_prefill() called before update_prefill() of the last step")
         self.expire()
         out = DecodeOutput()
-        left = self.prefill_step_tokens
+        self._add_prompt_chunks(out, self.prefill_step_tokens, skip=self._in_step)
+        self._in_prefill = {s.key for s in out.seqs}
+        return out
+
+    def _add_prompt_chunks(self, out: DecodeOutput, left: int, skip: set[str]) -> None:
+        """Add chunks of queued local prompts (prefill thread) to ``out`` in arrival order, at
+        most ``left`` tokens in all and ``max_num_seqs`` sequences in ``out``, passing over those
+        whose key is in ``skip`` (inside the other loop's step)."""
         for seq in self._prefilling:
             if left <= 0 or len(out.seqs) >= self.config.max_num_seqs:
                 break
+            if seq.key in skip:
+                continue
             remaining = seq.num_remaining_prompt_tokens
             n = min(remaining, left)
             if not self.config.enable_chunked_prefill and n < remaining:
-                break  # first come, first served: it runs whole in the next step
+                break  # first come, first served: it runs whole in a later step
             out.add(seq, seq.schedule(n, self.kv.block_table(seq.key)))
             left -= n
-        self._in_prefill = {s.key for s in out.seqs}
-        return out
 
     def update_prefill(
         self,
@@ -442,21 +455,8 @@ class DecodeScheduler:
                 f"runner returned {len(sampled)} results for {len(output.scheduled)} seqs"
             )
         for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
-            if seq.state is not SeqState.PREFILLING:
-                continue  # aborted or expired mid-step; freed below
-            seq.num_computed += len(sched.token_ids)
-            self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
-            if prompt_logprobs and seq.request_id in prompt_logprobs:
-                seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
-            if not sched.sample:
-                continue
-            if tok is None:
-                self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
-                continue
-            self._prefilling.remove(seq)
-            seq.state = SeqState.WAITING
-            self._waiting.append(seq)
-            self._sampled(seq, tok)
+            if seq.state is SeqState.PREFILLING:  # else aborted or expired mid-step; freed below
+                self._prompt_chunk_done(seq, sched, tok, prompt_logprobs)
         self._end_prefill_step()
 
     def fail_prefill_step(self, output: DecodeOutput, message: str) -> None:
@@ -485,6 +485,9 @@ class DecodeScheduler:
                 f"runner returned {len(sampled)} results for {len(output.scheduled)} seqs"
             )
         for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
+            if seq.state is SeqState.PREFILLING:  # a prompt chunk taken from the prefill thread
+                self._prompt_chunk_done(seq, sched, tok, prompt_logprobs)
+                continue
             if seq.state is not SeqState.RUNNING:
                 continue  # aborted or expired mid-step; freed below
             seq.num_computed += len(sched.token_ids)
@@ -533,6 +536,29 @@ class DecodeScheduler:
         self.kv.check_integrity()
 
     # ------------------------------------------------------------------------------- internals
+    def _prompt_chunk_done(
+        self,
+        seq: DecodeSeq,
+        sched: ScheduledSeq,
+        tok: SampledToken | None,
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None,
+    ) -> None:
+        """Apply a computed chunk of a PREFILLING prompt: its last chunk's token 1 moves it to the
+        waiting queue (or finishes it)."""
+        seq.num_computed += len(sched.token_ids)
+        self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
+        if prompt_logprobs and seq.request_id in prompt_logprobs:
+            seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
+        if not sched.sample:
+            return
+        if tok is None:
+            self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
+            return
+        self._prefilling.remove(seq)
+        seq.state = SeqState.WAITING
+        self._waiting.append(seq)
+        self._sampled(seq, tok)
+
     def _sampled(self, seq: DecodeSeq, tok: SampledToken) -> None:
         """Append ``tok`` to ``seq`` (sampled here), emit it with the gathered prompt logprobs,
         finish ``seq`` when it ends the request."""

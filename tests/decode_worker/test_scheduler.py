@@ -426,16 +426,18 @@ def prefill_step(s: DecodeScheduler, token: int | None = None) -> DecodeOutput:
 
 def test_prefill_thread_keeps_local_prompts_out_of_decode_steps() -> None:
     s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
-    s.add_request(req("d", 4, max_tokens=50), transfer_id=1)
-    s.kv_arrived("d", 1, SampledToken(3))
+    for i, rid in enumerate(("d", "e")):
+        s.add_request(req(rid, 4, max_tokens=50), transfer_id=i + 1)
+        s.kv_arrived(rid, i + 1, SampledToken(3))
     step(s)
     s.add_request(req("p", 30, local=True, max_tokens=3))
     s.add_request(req("q", 6, local=True, max_tokens=3))
     assert s.state("p") is SeqState.PREFILLING and s.num_waiting == 2
-    # a decode step and a prefill step planned at once (the two threads) touch disjoint seqs
+    # a decode step and a prefill step planned at once (the two threads) touch disjoint seqs;
+    # as many sequences decode as prompts wait, so the decode step takes no prompt chunk
     dplan = s.schedule()
     pplan = s.schedule_prefill()
-    assert [x.request_id for x in dplan.scheduled] == ["d"]
+    assert [x.request_id for x in dplan.scheduled] == ["d", "e"]
     assert [(x.request_id, len(x.token_ids), x.sample) for x in pplan.scheduled] == [
         ("p", 16, False)
     ]
@@ -452,11 +454,37 @@ def test_prefill_thread_keeps_local_prompts_out_of_decode_steps() -> None:
     assert s.state("p") is SeqState.WAITING  # token 1 sampled: waits for a batch slot
     assert [e for r, e in events_of(s) if r == "p"] == [TokensEvent((SampledToken(31),))]
     plan = s.schedule()  # p joins the decode batch; q still prefilling
-    assert [x.request_id for x in plan.scheduled] == ["d", "p"]
+    assert [x.request_id for x in plan.scheduled] == ["d", "e", "p"]
     s.update_from_output(plan, fake_runner(plan))
     plan = prefill_step(s)
     assert [(x.request_id, len(x.token_ids)) for x in plan.scheduled] == [("q", 4)]
     assert not s.has_prefill_work()
+    s.check_integrity()
+
+
+def test_decode_steps_take_prompt_chunks_while_fewer_sequences_decode() -> None:
+    s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    for rid, n in (("p", 20), ("q", 6), ("r", 6)):
+        s.add_request(req(rid, n, local=True, max_tokens=3))
+    pplan = s.schedule_prefill()
+    assert [(x.request_id, len(x.token_ids)) for x in pplan.scheduled] == [("p", 16)]
+    dplan = s.schedule()  # nothing decodes, 3 prompts wait: the decode step helps
+    assert [(x.request_id, len(x.token_ids), x.sample) for x in dplan.scheduled] == [
+        ("q", 6, True),
+        ("r", 6, True),
+    ]
+    s.update_from_output(dplan, fake_runner(dplan))
+    assert s.state("q") is s.state("r") is SeqState.WAITING
+    assert events_of(s) == [
+        ("q", TokensEvent((SampledToken(7),))),
+        ("r", TokensEvent((SampledToken(7),))),
+    ]
+    s.update_prefill(pplan, fake_runner(pplan))
+    dplan = s.schedule()  # 2 decode, 1 prompt waits: decodes only
+    assert [(x.request_id, len(x.token_ids)) for x in dplan.scheduled] == [("q", 1), ("r", 1)]
+    s.update_from_output(dplan, fake_runner(dplan))
+    plan = prefill_step(s)
+    assert [(x.request_id, len(x.token_ids), x.sample) for x in plan.scheduled] == [("p", 4, True)]
     s.check_integrity()
 
 
