@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from decode_worker.request import Accepted, DecodeEvent, DecodeRequest, is_terminal
-from decode_worker.scheduler import DecodeScheduler, admission_watermark
+from decode_worker.scheduler import DecodeOutput, DecodeScheduler, admission_watermark
 from pdserve.config import EngineConfig, ModelConfig, prefill_step_budget
 from pdserve.engine.errors import (
     DEADLINE_EXCEEDED,
@@ -58,7 +58,7 @@ from pdserve.engine.faults import FaultInjector, FaultPhase
 from pdserve.engine.worker_engine import WorkerEngine
 from pdserve.structured.grammar import resume_matcher
 from pdserve.structured.spec import StructuredOutputError
-from pdserve.types import SampledToken
+from pdserve.types import PromptLogprobs, SampledToken
 
 if TYPE_CHECKING:
     from kv_transfer.base import KVReceiver, TransferResult
@@ -399,22 +399,41 @@ class DecodeEngine(WorkerEngine):
             if output.is_empty:
                 self.scheduler.update_prefill(output, [])
                 return 0
+        s = self.scheduler
+        if self._forward(output, s.update_prefill, s.fail_prefill_step) is None:
+            return 0
+        super().wake()  # prompts that finished join the decode batch at once
+        return output.num_scheduled_tokens
+
+    def _forward(
+        self,
+        output: DecodeOutput,
+        update: Callable[
+            [DecodeOutput, list[SampledToken | None], dict[str, PromptLogprobs]], None
+        ],
+        fail: Callable[[DecodeOutput, str], None],
+    ) -> float | None:
+        """Compute ``output`` (lock not held), then apply it with ``update`` under the lock and
+        deliver its events; a runner exception, or ``update``'s ValueError, ends the step's
+        requests through ``fail`` instead (logged, not raised). Returns the forward's seconds,
+        None when it raised."""
+        t0 = time.perf_counter()
         try:
             out = self.runner.run(output.scheduled)
         except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
-            log.exception("prefill forward failed for %d sequences", len(output.scheduled))
+            log.exception("forward failed for %d sequences", len(output.scheduled))
             with self._lock:
-                self.scheduler.fail_prefill_step(output, f"forward failed: {type(e).__name__}: {e}")
+                fail(output, f"forward failed: {type(e).__name__}: {e}")
                 self._flush()
-            return 0
+            return None
+        duration = time.perf_counter() - t0
         with self._lock:
             try:
-                self.scheduler.update_prefill(output, out.tokens, out.prompt_logprobs)
+                update(output, out.tokens, out.prompt_logprobs)
             except ValueError as e:
-                self.scheduler.fail_prefill_step(output, str(e))
+                fail(output, str(e))
             self._flush()
-        super().wake()  # prompts that finished join the decode batch at once
-        return output.num_scheduled_tokens
+        return duration
 
     @property
     def num_live(self) -> int:
@@ -442,22 +461,11 @@ class DecodeEngine(WorkerEngine):
             if output.is_empty:
                 self.scheduler.update_from_output(output, [])
                 return computed
-        t0 = time.perf_counter()
-        try:
-            out = self.runner.run(output.scheduled)
-        except Exception as e:  # noqa: BLE001 - the worker survives a bad batch
-            log.exception("forward failed for %d sequences", len(output.scheduled))
-            with self._lock:
-                self.scheduler.fail_step(output, f"forward failed: {type(e).__name__}: {e}")
-                self._flush()
+        s = self.scheduler
+        duration = self._forward(output, s.update_from_output, s.fail_step)
+        if duration is None:
             return computed
-        duration = time.perf_counter() - t0
         with self._lock:
-            try:
-                self.scheduler.update_from_output(output, out.tokens, out.prompt_logprobs)
-            except ValueError as e:
-                self.scheduler.fail_step(output, str(e))
-            self._flush()
             self._record_step(duration, output.num_sampled, len(output.seqs))
         return computed + output.num_scheduled_tokens
 

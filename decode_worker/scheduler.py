@@ -487,19 +487,10 @@ class DecodeScheduler:
         for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
             if seq.state is SeqState.PREFILLING:  # a prompt chunk taken from the prefill thread
                 self._prompt_chunk_done(seq, sched, tok, prompt_logprobs)
-                continue
-            if seq.state is not SeqState.RUNNING:
-                continue  # aborted or expired mid-step; freed below
-            seq.num_computed += len(sched.token_ids)
-            self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
-            if prompt_logprobs and seq.request_id in prompt_logprobs:
-                seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
-            if not sched.sample:
-                continue
-            if tok is None:
-                self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
-                continue
-            self._sampled(seq, tok)
+            elif seq.state is SeqState.RUNNING:  # else aborted or expired mid-step; freed below
+                token = self._computed(seq, sched, tok, prompt_logprobs)
+                if token is not None:
+                    self._sampled(seq, token)
         self._end_step()
 
     def fail_step(self, output: DecodeOutput, message: str) -> None:
@@ -545,19 +536,33 @@ class DecodeScheduler:
     ) -> None:
         """Apply a computed chunk of a PREFILLING prompt: its last chunk's token 1 moves it to the
         waiting queue (or finishes it)."""
+        token = self._computed(seq, sched, tok, prompt_logprobs)
+        if token is None:
+            return
+        self._prefilling.remove(seq)
+        seq.state = SeqState.WAITING
+        self._waiting.append(seq)
+        self._sampled(seq, token)
+
+    def _computed(
+        self,
+        seq: DecodeSeq,
+        sched: ScheduledSeq,
+        tok: SampledToken | None,
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None,
+    ) -> SampledToken | None:
+        """Advance ``seq`` over its computed tokens ``sched`` (KV cached, prompt logprobs kept);
+        return the token it sampled, or None when it samples none (or the runner gave none: then
+        ``seq`` fails with INTERNAL)."""
         seq.num_computed += len(sched.token_ids)
         self.kv.cache_blocks(seq.key, seq.token_ids, seq.num_computed)
         if prompt_logprobs and seq.request_id in prompt_logprobs:
             seq.prompt_logprobs.extend(prompt_logprobs[seq.request_id].tokens)
         if not sched.sample:
-            return
+            return None
         if tok is None:
             self._fail(seq, INTERNAL, "runner returned no token for a sampled sequence")
-            return
-        self._prefilling.remove(seq)
-        seq.state = SeqState.WAITING
-        self._waiting.append(seq)
-        self._sampled(seq, tok)
+        return tok
 
     def _sampled(self, seq: DecodeSeq, tok: SampledToken) -> None:
         """Append ``tok`` to ``seq`` (sampled here), emit it with the gathered prompt logprobs,
