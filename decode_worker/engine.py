@@ -111,8 +111,9 @@ class DecodeEngine(WorkerEngine):
     own (see module docstring; :meth:`start` starts it; without :meth:`start`, :meth:`step` runs a
     prefill step before each decode step, so tests and offline use see the same results). The
     caller sets the intra-op thread count each loop should use before building ``runner``
-    (compiled kernels keep the count they were built with); :meth:`build` does. ``default_kv_timeout_s``: how long a reservation waits for its
-    KV when the request names no timeout (default ``config.transfer.timeout_s``). ``clock``: wall
+    (compiled kernels keep the count they were built with); :meth:`build` does.
+    ``default_kv_timeout_s``: how long a reservation waits for its KV when the request names no
+    timeout (default ``config.transfer.timeout_s``). ``clock``: wall
     time in seconds (deadlines are ``time.time()`` values). ``faults``: fault injection (see
     pdserve/engine/faults.py). Raises ConfigError while building the runner.
     """
