@@ -49,7 +49,6 @@ from pdserve.config import EngineConfig, ModelConfig, prefill_step_budget
 from pdserve.engine.errors import (
     DEADLINE_EXCEEDED,
     FAILED_PRECONDITION,
-    INTERNAL,
     INVALID_ARGUMENT,
     UNAVAILABLE,
     EngineError,
@@ -367,18 +366,7 @@ class DecodeEngine(WorkerEngine):
         super().start()
 
     def _run_prefill_loop(self) -> None:
-        while not self.is_closed:
-            self._prefill_wake.clear()  # before looking at the state, so no wake-up is lost
-            try:
-                computed = self.prefill_step()
-            except Exception as e:  # noqa: BLE001 - a bug: fail what is live, keep serving
-                log.exception("%s prefill step failed", self.name)
-                self._fail_all(
-                    INTERNAL, f"{self.name} prefill step failed: {type(e).__name__}: {e}"
-                )
-                computed = 0
-            if computed == 0:
-                self._prefill_wake.wait(self.idle_poll_s)
+        self._run_loop(self.prefill_step, self._prefill_wake, "prefill step")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop both loops, then as :meth:`WorkerEngine.shutdown`. Idempotent."""

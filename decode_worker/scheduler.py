@@ -449,22 +449,11 @@ class DecodeScheduler:
         prompt whose last chunk ran gets token 1 (its first TokensEvent) and waits for a batch slot,
         or finishes when token 1 ends it. Raises ValueError when the lengths differ (the step
         then counts as not run)."""
-        if len(sampled) != len(output.scheduled):
-            self._end_prefill_step()
-            raise ValueError(
-                f"runner returned {len(sampled)} results for {len(output.scheduled)} seqs"
-            )
-        for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
-            if seq.state is SeqState.PREFILLING:  # else aborted or expired mid-step; freed below
-                self._prompt_chunk_done(seq, sched, tok, prompt_logprobs)
-        self._end_prefill_step()
+        self._apply(output, sampled, prompt_logprobs, self._end_prefill_step)
 
     def fail_prefill_step(self, output: DecodeOutput, message: str) -> None:
         """The runner raised on a prefill-thread step: end its sequences with INTERNAL."""
-        self._end_prefill_step()
-        for seq in output.seqs:
-            if seq.state is not SeqState.DONE:
-                self._fail(seq, INTERNAL, message)
+        self._fail_step(output, message, self._end_prefill_step)
 
     def update_from_output(
         self,
@@ -479,23 +468,37 @@ class DecodeScheduler:
         (local prefill); sent with the request's first TokensEvent.
         Raises ValueError when the lengths differ (the step then counts as not run).
         """
+        self._apply(output, sampled, prompt_logprobs, self._end_step)
+
+    def fail_step(self, output: DecodeOutput, message: str) -> None:
+        """The runner raised on ``output``: end each of its sequences with INTERNAL, free them."""
+        self._fail_step(output, message, self._end_step)
+
+    def _apply(
+        self,
+        output: DecodeOutput,
+        sampled: Sequence[SampledToken | None],
+        prompt_logprobs: Mapping[str, PromptLogprobs] | None,
+        end: Callable[[], None],
+    ) -> None:
+        """Apply a computed decode or prefill-thread step, then ``end`` it (free what was
+        released mid-step). Raises ValueError when the lengths differ (ended all the same)."""
         if len(sampled) != len(output.scheduled):
-            self._end_step()
+            end()
             raise ValueError(
                 f"runner returned {len(sampled)} results for {len(output.scheduled)} seqs"
             )
         for seq, sched, tok in zip(output.seqs, output.scheduled, sampled, strict=True):
-            if seq.state is SeqState.PREFILLING:  # a prompt chunk taken from the prefill thread
+            if seq.state is SeqState.PREFILLING:  # a prompt chunk (either kind of step)
                 self._prompt_chunk_done(seq, sched, tok, prompt_logprobs)
             elif seq.state is SeqState.RUNNING:  # else aborted or expired mid-step; freed below
                 token = self._computed(seq, sched, tok, prompt_logprobs)
                 if token is not None:
                     self._sampled(seq, token)
-        self._end_step()
+        end()
 
-    def fail_step(self, output: DecodeOutput, message: str) -> None:
-        """The runner raised on ``output``: end each of its sequences with INTERNAL, free them."""
-        self._end_step()
+    def _fail_step(self, output: DecodeOutput, message: str, end: Callable[[], None]) -> None:
+        end()
         for seq in output.seqs:
             if seq.state is not SeqState.DONE:
                 self._fail(seq, INTERNAL, message)

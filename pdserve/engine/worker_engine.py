@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
@@ -114,19 +115,25 @@ class WorkerEngine(ABC):
         return thread is not None and thread.is_alive()
 
     def _loop(self) -> None:
+        self._run_loop(self.step, self._wake, "step")
+
+    def _run_loop(self, step: Callable[[], int], wake: threading.Event, what: str) -> None:
+        """Call ``step`` until shutdown, waiting on ``wake`` (at most ``idle_poll_s``) after a
+        step that computed nothing. A step that raises fails every live request and the loop
+        goes on; an injected WorkerKilled ends the loop. ``what`` names the step in logs."""
         while not self._closed:
-            self._wake.clear()  # before looking at the state, so no wake-up is lost
+            wake.clear()  # before looking at the state, so no wake-up is lost
             try:
-                computed = self.step()
+                computed = step()
             except WorkerKilled:  # an injected in-process crash: the loop dies with the worker
-                log.error("%s: step loop killed by fault injection", self.name)
+                log.error("%s: %s loop killed by fault injection", self.name, what)
                 return
             except Exception as e:  # noqa: BLE001 - a bug: fail what is live, keep serving
-                log.exception("%s step failed", self.name)
-                self._fail_all(INTERNAL, f"{self.name} step failed: {type(e).__name__}: {e}")
+                log.exception("%s %s failed", self.name, what)
+                self._fail_all(INTERNAL, f"{self.name} {what} failed: {type(e).__name__}: {e}")
                 computed = 0
             if computed == 0:
-                self._wake.wait(self.idle_poll_s)
+                wake.wait(self.idle_poll_s)
 
     def run_until_idle(self, timeout_s: float = 60.0) -> int:
         """Step in this thread until :meth:`has_work` is False (for tests and offline use,
