@@ -17,7 +17,8 @@ prompt whose last chunk sampled token 1 joins the waiting queue like a remote pr
 arrived. The two kinds of step touch disjoint sequences. While fewer sequences decode than local
 prompts wait (a burst of new prompts, such as a closed loop of clients that all start over at
 once), a decode step also takes chunks of the prompts the prefill thread is not computing, up to
-the prefill step budget, so both threads prefill until the batch fills again. Events and released transfer ids go to an outbox (``drain``).
+the prefill step budget, so both threads prefill until the batch fills again. Events and
+released transfer ids go to an outbox (``drain``).
 Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
 sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
 the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.

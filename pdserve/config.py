@@ -328,15 +328,16 @@ This is DistServe's point about prefill batching past the length where the devic
 et al., "DistServe", OSDI 2024, section 3.1). Measured in the serving suite's mixed workload
 (eight closed-loop 64-token clients, alone and beside 1500-token prompts; session 6 of
 docs/benchmarks.md), two interleaved pairs of 2048- against 256-token steps (both with 256-token
-long chunks and the long/short alternation of prefill_worker/scheduler.py): short mean TTFT alone 205 / 231 -> 136 / 165 ms, beside
-the long prompts 249 / 330 -> 206 / 335 ms, the long prompts' 1.3-1.5 s either way. 128-token long
-chunks cut the mixed TTFT further (186-279 ms in other runs) but make every prompt over 128
-tokens long, so a burst of 280-token prompts ran 128 tokens a step; that default was not kept."""
+long chunks and the long/short alternation of prefill_worker/scheduler.py): short mean TTFT alone
+205 / 231 -> 136 / 165 ms, beside the long prompts 249 / 330 -> 206 / 335 ms, the long prompts'
+1.3-1.5 s either way. 128-token long chunks cut the mixed TTFT further (186-279 ms in other runs)
+but make every prompt over 128 tokens long, so a burst of 280-token prompts ran 128 tokens a
+step; that default was not kept."""
 
 
 def prefill_step_budget(config: SchedulerConfig, device_type: str) -> int:
-    """Tokens per prefill step (a prefill worker's, or a decode worker's prefill thread's) on ``device_type`` ('cpu', 'cuda', ...):
-    ``prefill_max_num_batched_tokens`` when set, else on a CPU
+    """Tokens per prefill step (a prefill worker's, or a decode worker's prefill thread's) on
+    ``device_type`` ('cpu', 'cuda', ...): ``prefill_max_num_batched_tokens`` when set, else on a CPU
     ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, elsewhere
     ``max_num_batched_tokens``. Without chunked prefill a prompt must fit one step, so the budget
     is then ``max_num_batched_tokens`` unless set explicitly."""

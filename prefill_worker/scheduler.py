@@ -1,8 +1,8 @@
 """Prefill scheduler (no torch): chunked, batched prefill with automatic prefix caching.
 
 Each ``schedule()`` call packs prompt chunks of several requests into one step under the prefill
-step budget B (:func:`pdserve.config.prefill_step_budget`: ``prefill_max_num_batched_tokens``, by default at
-most 256 tokens on a CPU) and ``max_num_seqs``.
+step budget B (:func:`pdserve.config.prefill_step_budget`: ``prefill_max_num_batched_tokens``, by
+default at most 256 tokens on a CPU) and ``max_num_seqs``.
 
 Policy (short prompts never wait for whole long prompts; long prompts always progress):
 
