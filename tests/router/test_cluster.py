@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,32 @@ from router.cluster import ClusterSpec, RayCluster, RegistryFollower
 from router.pool import WorkerPool
 from router.serving import Router, RouterConfig
 
-pytestmark = pytest.mark.timeout(180)
+TIMEOUT_S = 180
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
+
+
+@pytest.fixture(autouse=True)
+async def report_pending_awaits() -> Any:
+    """Print every asyncio task's stack 20 s before pytest-timeout fires: its own report shows
+    only the event loop's select(), not which await (Ray call, start, stop) never returned.
+    (One fresh-clone run hung here once for 180 s; repeated runs, loaded or not, did not.)"""
+
+    async def watchdog() -> None:
+        await asyncio.sleep(TIMEOUT_S - 20)
+        print(f"--- asyncio tasks still pending after {TIMEOUT_S - 20} s ---", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            print(f"{task.get_name()}:", file=sys.stderr)
+            coro: Any = task.get_coro()
+            while coro is not None:  # the await chain, outermost first
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    code = frame.f_code
+                    print(f"  {code.co_filename}:{frame.f_lineno} {code.co_name}", file=sys.stderr)
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+
+    task = asyncio.get_running_loop().create_task(watchdog())
+    yield
+    task.cancel()
 
 
 @pytest.fixture(scope="module")
