@@ -152,6 +152,27 @@ def test_split_k_and_threads_agree(num_splits: int) -> None:
     torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (2, 2, 96)])
+def test_slots_outside_the_contexts_are_never_used(
+    kv_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Every pool slot that is not part of a sequence's context holds NaN (a freed block, the
+    unwritten tail of a last block): odd context lengths end tiles mid-pair, where the bf16
+    values pass (two tokens per VDPBF16PS) must use a zero row, not the slot after."""
+    pool = Pool([1, 3, 17, 33, 255, 301], heads, kv_heads, head_dim, 16, kv_dtype, kv_dtype, seed=6)
+    used = torch.zeros(pool.k_cache.shape[:2], dtype=torch.bool)
+    for table, n in zip(pool.tables, pool.lens, strict=True):
+        for t in range(n):
+            used[table[t // pool.block_size], t % pool.block_size] = True
+    pool.k_cache[~used] = float("nan")
+    pool.v_cache[~used] = float("nan")
+    for splits in (1, 3):
+        out = pool.run(num_splits=splits, num_threads=1)
+        assert not out.isnan().any()
+        assert pool.error(out) < tolerance(kv_dtype)
+
+
 def test_long_context_bf16() -> None:
     pool = Pool([32768, 3], 4, 1, 64, 16, torch.bfloat16, torch.bfloat16, seed=3)
     assert pool.error(pool.run(num_splits=4, num_threads=2)) < tolerance(torch.bfloat16)

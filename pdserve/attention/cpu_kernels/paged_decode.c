@@ -18,7 +18,11 @@
  *  2. per head, one update of the running max, sum of exponentials and fp32 output accumulator:
  *     the single-pass "online softmax" of Milakov & Gimelshein, "Online normalizer calculation
  *     for softmax" (2018), as FlashAttention and FlashDecoding use it, here once per chunk;
- *  3. the weighted sum of V, tile by tile, with G x 4 vector accumulators per KV head.
+ *  3. the weighted sum of V, tile by tile, with G x 4 vector accumulators per KV head; for bf16
+ *     V on a CPU with AVX512_BF16, two tokens per VDPBF16PS against the probabilities rounded to
+ *     bf16 (values_dp_blocks).
+ * head_dim 64 is also compiled as a constant (fully unrolled loops); other sizes take the
+ * general code.
  * While one chunk is computed, the next one (of this sequence, or the next item's first) is
  * prefetched into L2, its K rows under phase 0 and its V rows under phase 1, spread evenly over
  * the chunk's tiles; a sequence's chunks are of even length so each prefetch has a chunk of about
@@ -33,7 +37,9 @@
  * per-tile-softmax kernel (bench/cpu_attention.py; docs/benchmarks.md). Batch 16 x 320 tokens:
  * from DRAM 0.47-0.48 ms a layer with the chunk-ahead prefetch and even chunks, against 0.555-0.564
  * ms with the earlier prefetch (this tile's V, and the next chunk's K tile by tile at the same
- * place only), in one interleaved run (session 13).
+ * place only), in one interleaved run (session 13). The VDPBF16PS values pass and the constant
+ * head_dim 64 (session 14), interleaved against the code before: in cache 0.223 vs 0.280 ms a
+ * layer at 320 tokens, 0.669 vs 0.776 at 1000; from DRAM 0.456 vs 0.528 and 1.302 vs 1.493.
  */
 #include <math.h>
 #include <stdint.h>
@@ -339,21 +345,118 @@ ALWAYS_INLINE void tile_values(const int G, const int sd, const int D, const cha
         }
 }
 
+#if PD_HAVE_DP
+/* The values pass of PD_BF16_DP: acc += sum_j p_j * v_j over the `cnt` tokens of a tile, two
+ * tokens per VDPBF16PS. pb: the G heads' probabilities already rounded to bf16 (row stride ps);
+ * V rows at vp, `step` bytes apart, head_dim D a multiple of 32. The rows of tokens j and j + 1
+ * are interleaved word by word (vpunpck{l,h}wd), so each 32-bit lane holds (v_j[d], v_j+1[d])
+ * and one VDPBF16PS against the broadcast pair (p_j, p_j+1) adds both products into an fp32
+ * lane: half the multiply-adds of the fp32 path, and no widening of V. The unpacks work within
+ * 128-bit lanes, so acc is kept in that permuted order: per 32 values of d, the first 16 floats
+ * hold d = 8L + {0..3} and the next 16 d = 8L + {4..7} for L = 0..3 (dp_unpermute restores it).
+ * Rounding the probabilities to bf16 before the weighted sum is what FlashAttention-2 does on
+ * GPUs (P is cast to the input dtype for its PV matmul); the softmax sum l stays fp32. */
+ALWAYS_INLINE void values_dp_blocks(const int G, const int NB, const char *vp, int64_t step,
+                                    int cnt, const uint16_t *pb, int64_t ps, float *acc,
+                                    const int D, int d) {
+    __m512 a[GMAX][4]; /* [head][2 * block + half], NB <= 2 */
+    for (int g = 0; g < G; g++)
+        for (int x = 0; x < 2 * NB; x++) a[g][x] = _mm512_loadu_ps(acc + g * D + d + 16 * x);
+    for (int j = 0; j < cnt; j += 2) {
+        const char *r = vp + j * step + (int64_t)d * 2;
+        const int pair = j + 1 < cnt;
+        __m512i lo[2], hi[2];
+        for (int b = 0; b < NB; b++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(r + 64 * b));
+            /* past the tile: a zero row (the row there may be another sequence's, or NaN) */
+            const __m512i y = pair ? _mm512_loadu_si512((const void *)(r + step + 64 * b))
+                                   : _mm512_setzero_si512();
+            lo[b] = _mm512_unpacklo_epi16(x, y);
+            hi[b] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int g = 0; g < G; g++) {
+            uint32_t pp;
+            memcpy(&pp, pb + g * ps + j, sizeof pp);
+            if (!pair) pp &= 0xffffu; /* the word past the tile may be unset */
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+            for (int b = 0; b < NB; b++) {
+                a[g][2 * b] = _mm512_dpbf16_ps(a[g][2 * b], pv, (__m512bh)lo[b]);
+                a[g][2 * b + 1] = _mm512_dpbf16_ps(a[g][2 * b + 1], pv, (__m512bh)hi[b]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int x = 0; x < 2 * NB; x++) _mm512_storeu_ps(acc + g * D + d + 16 * x, a[g][x]);
+}
+
+/* tile_values for PD_BF16_DP (see values_dp_blocks): two 32-value blocks of d at a time while
+ * the 4G accumulators fit the 32 vector registers, else one. */
+ALWAYS_INLINE void tile_values_dp(const int G, const int D, const char *vp, int64_t step,
+                                  int cnt, const uint16_t *pb, int64_t ps, float *acc) {
+    int d = 0;
+    if (G <= 6)
+        for (; d + 64 <= D; d += 64) values_dp_blocks(G, 2, vp, step, cnt, pb, ps, acc, D, d);
+    for (; d < D; d += 32) values_dp_blocks(G, 1, vp, step, cnt, pb, ps, acc, D, d);
+}
+
+/* Probabilities [n] (fp32, n padded to VW with zeros) -> bf16, round to nearest even */
+static void probs_to_bf16(const float *s, int64_t n, uint16_t *pb) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + j));
+        memcpy(pb + j, &h, sizeof h);
+    }
+}
+
+/* acc [heads, D] from the permuted order of values_dp_blocks back to d order */
+static void dp_unpermute(float *acc, int heads, int D) {
+    float t[32];
+    for (int i = 0; i < heads * D; i += 32) {
+        for (int x = 0; x < 32; x++) {
+            const int q = x & 15, half = x >> 4;
+            t[8 * (q >> 2) + 4 * half + (q & 3)] = acc[i + x];
+        }
+        memcpy(acc + i, t, sizeof t);
+    }
+}
+#endif
+
 /* tile_scores (phase 0) or tile_values (phase 1) with G (1..GMAX) and the KV dtype code as
  * compile-time constants, so the per-head loops unroll and the accumulators live in registers.
- * See those two for the arguments (p: the scores row, ps its stride; kvp: K or V rows). */
+ * See those two for the arguments (p: the scores row, ps its stride; kvp: K or V rows; pb: for
+ * PD_BF16_DP's values, the probabilities in bf16, stride ps). */
 static void tile_phase(int phase, int G, int dtype, int D, const char *kvp, int64_t step, int cnt,
                        const float *qf, const uint16_t *qb, float sscale, float *p, int64_t ps,
-                       float *acc) {
-#define PD_TILE(NG, DT)                                                                          \
+                       const uint16_t *pb, float *acc) {
+#define PD_TILE_D(NG, DT, DC)                                                                    \
     do {                                                                                         \
         if (phase == 0)                                                                          \
-            tile_scores(NG, DT, D, kvp, step, cnt, qf, qb, sscale, p, ps);                       \
+            tile_scores(NG, DT, DC, kvp, step, cnt, qf, qb, sscale, p, ps);                      \
         else                                                                                     \
-            tile_values(NG, DT == PD_BF16_DP ? PD_BF16 : DT, D, kvp, step, cnt, p, ps, acc);     \
+            tile_values(NG, DT, DC, kvp, step, cnt, p, ps, acc);                                 \
+    } while (0)
+/* head_dim 64 (SmolLM2, Llama-3.2-1B, ...) as a constant too: its loops then unroll fully */
+#define PD_TILE(NG, DT)                                                                          \
+    do {                                                                                         \
+        if (D == 64)                                                                             \
+            PD_TILE_D(NG, DT, 64);                                                               \
+        else                                                                                     \
+            PD_TILE_D(NG, DT, D);                                                                \
     } while (0)
 #if PD_HAVE_DP
-#define PD_DP_CASE(NG) else if (dtype == PD_BF16_DP) PD_TILE(NG, PD_BF16_DP);
+#define PD_TILE_DP_D(NG, DC)                                                                     \
+    do {                                                                                         \
+        if (phase == 0)                                                                          \
+            tile_scores(NG, PD_BF16_DP, DC, kvp, step, cnt, qf, qb, sscale, p, ps);              \
+        else                                                                                     \
+            tile_values_dp(NG, DC, kvp, step, cnt, pb, ps, acc);                                 \
+    } while (0)
+#define PD_DP_CASE(NG)                                                                           \
+    else if (dtype == PD_BF16_DP) {                                                              \
+        if (D == 64)                                                                             \
+            PD_TILE_DP_D(NG, 64);                                                                \
+        else                                                                                     \
+            PD_TILE_DP_D(NG, D);                                                                 \
+    }
 #else
 #define PD_DP_CASE(NG)
 #endif
@@ -371,7 +474,9 @@ static void tile_phase(int phase, int G, int dtype, int D, const char *kvp, int6
     }
 #undef PD_CASE
 #undef PD_DP_CASE
+#undef PD_TILE_DP_D
 #undef PD_TILE
+#undef PD_TILE_D
 }
 
 /* ---- softmax -------------------------------------------------------------------------------- */
@@ -467,6 +572,11 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
     const int D = c->head_dim, es = elem_size(c->kv_dtype), heads = G * c->kv_heads;
     const int64_t step = c->tok_stride * es, ss = CHUNK + TILE; /* scores row stride */
     float s[heads * ss];
+#if PD_HAVE_DP
+    uint16_t pb[dtype == PD_BF16_DP ? heads * ss : 1]; /* the probabilities in bf16 */
+#else
+    uint16_t *pb = NULL;
+#endif
     for (int i = 0; i < heads; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -486,8 +596,12 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
         if (!pf_table || pf_begin >= pf_end) pf_table = NULL;
         for (int phase = 0; phase < 2; phase++) {
             if (phase == 1)
-                for (int i = 0; i < heads; i++)
+                for (int i = 0; i < heads; i++) {
                     softmax_chunk(s + i * ss, c1 - c0, D, m + i, l + i, acc + (int64_t)i * D);
+#if PD_HAVE_DP
+                    if (dtype == PD_BF16_DP) probs_to_bf16(s + i * ss, c1 - c0, pb + i * ss);
+#endif
+                }
             for (int64_t t0 = c0; t0 < c1;) {
                 const int cnt = tile_len(c, t0, c1);
                 const int64_t base = row_offset(c, table, t0);
@@ -511,13 +625,18 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
                         tile_phase(phase, G - g0 < GMAX ? G - g0 : GMAX, dtype, D,
                                    kvp + base + (int64_t)h * D * es, step, cnt,
                                    qf + (int64_t)i * D, qb + (int64_t)i * D, sscale,
-                                   s + i * ss + (t0 - c0), ss, acc + (int64_t)i * D);
+                                   s + i * ss + (t0 - c0), ss,
+                                   dtype == PD_BF16_DP ? pb + i * ss + (t0 - c0) : NULL,
+                                   acc + (int64_t)i * D);
                     }
                 t0 += cnt;
             }
         }
         c0 = c1;
     }
+#if PD_HAVE_DP
+    if (dtype == PD_BF16_DP) dp_unpermute(acc, heads, D);
+#endif
 }
 
 /* ---- entry point ------------------------------------------------------------------------------ */
