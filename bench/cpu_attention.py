@@ -22,6 +22,7 @@ Usage::
 
     .venv/bin/python bench/cpu_attention.py                       # attention table, ~2 min
     .venv/bin/python bench/cpu_attention.py --step --threads 1    # + the SmolLM2 decode step
+    .venv/bin/python bench/cpu_attention.py --step --step-small-pages ...  # + KV pool on 4 KiB pages
     .venv/bin/python bench/cpu_attention.py --batch-sizes 16 --contexts 256 --dtypes bfloat16
     .venv/bin/python bench/cpu_attention.py --baseline-rev b063773 --threads 1  # old vs new
 
@@ -31,6 +32,7 @@ Exit status 1 when the kernel disagrees with torch_ref; 2 when it cannot be buil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import subprocess
@@ -76,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--step-dtype", default="bfloat16")
+    p.add_argument(
+        "--step-small-pages",
+        action="store_true",
+        help="with --step, also a cpu_paged runner whose KV pool is not on huge pages",
+    )
     return p.parse_args(argv)
 
 
@@ -226,14 +233,20 @@ class StepRunner:
     """A ModelRunner with ``backend`` after prefilling ``batch`` random prompts; ``step()``
     runs one decode step of every sequence and returns (step s, attention s)."""
 
-    def __init__(self, args: argparse.Namespace, backend: str) -> None:
+    def __init__(self, args: argparse.Namespace, backend: str, huge_pages: bool = True) -> None:
+        from unittest import mock
+
         from pdserve.config import CacheConfig, EngineConfig, LoadConfig
         from pdserve.engine.batch import ScheduledSeq
         from pdserve.engine.runner import ModelRunner
+        from pdserve.kv_cache import pool
         from pdserve.sampling_params import SamplingParams
 
         load = LoadConfig(model=args.model, dtype=args.step_dtype, attention_backend=backend)
-        self.runner = ModelRunner(EngineConfig(load=load, cache=CacheConfig(num_blocks=4096)))
+        cfg = EngineConfig(load=load, cache=CacheConfig(num_blocks=4096))
+        small_pages = mock.patch.object(pool, "advise_huge_pages", return_value=False)
+        with contextlib.nullcontext() if huge_pages else small_pages:  # 4 KiB: before session 14
+            self.runner = ModelRunner(cfg)
         attn = self.runner.model.attn_backend
         assert attn.name == backend, attn.name
         self.attn_s = 0.0
@@ -282,6 +295,8 @@ def step_table(args: argparse.Namespace) -> None:
     print(f"\nwhole decode step: {args.model} {args.step_dtype}, batch {args.step_batch}, "
           f"prompts of {args.prompt_len} tokens, {torch.get_num_threads()} thread(s)")  # fmt: skip
     runners = {name: StepRunner(args, name) for name in ("torch_ref", "cpu_paged")}
+    if args.step_small_pages:
+        runners["cpu_paged, KV on 4 KiB pages"] = StepRunner(args, "cpu_paged", huge_pages=False)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
     for _ in range(2):
         for r in runners.values():

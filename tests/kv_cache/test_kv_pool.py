@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +64,33 @@ def test_scatter_casts_dtype_and_validates() -> None:
     with pytest.raises(ValueError, match="repeat"):
         pool.scatter([1, 1], torch.randn(L, 2, 20, H, D))
     assert pool.gather([], 0).shape == (L, 2, 0, H, D)
+
+
+def _huge_kib_in(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings that overlap [start, end)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a < end and b > start
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_large_pool_is_zeroed_on_huge_pages() -> None:
+    """A 60 MiB pool asks for transparent huge pages before zeroing it, and (where the kernel's
+    THP mode allows: `always` or `madvise`) gets them; its contents are zeros either way."""
+    pool = KVPool(4, 1280, 16, 3, 64, torch.bfloat16)
+    assert pool.nbytes == 4 * 2 * 1280 * 16 * 3 * 64 * 2
+    assert not pool.kv.any()
+    if not sys.platform.startswith("linux"):
+        assert not pool.huge_pages
+        return
+    assert pool.huge_pages
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" not in mode:
+        start = pool.kv.data_ptr()
+        assert _huge_kib_in(start, start + pool.nbytes) >= 16 * 1024, mode
+    assert not KVPool(1, 1, 16, 1, 8, torch.float32).huge_pages  # under 2 MiB: nothing to ask
