@@ -25,8 +25,8 @@
  * general code.
  * While one chunk is computed, the next one (of this sequence, or the next item's first) is
  * prefetched into L2, its K rows under phase 0 and its V rows under phase 1, spread evenly over
- * the chunk's tiles and KV heads; a sequence's chunks are of even length so each prefetch has a chunk of about
- * its own size to hide under.
+ * the chunk's tiles and KV heads; a sequence's chunks are of even length so each prefetch has
+ * a chunk of about its own size to hide under.
  * With more than one split per sequence (FlashDecoding's split-K, for few sequences and many
  * threads) each split's partial (max, sum, accumulator) is merged at the end by rescaling with
  * exp(max_split - max_total).
