@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,38 @@ def test_a_large_pool_is_zeroed_on_huge_pages() -> None:
         return
     assert pool.huge_pages
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert pool.kv.data_ptr() % (2 << 20) == 0
     if "[never]" not in mode:
         start = pool.kv.data_ptr()
         assert _huge_kib_in(start, start + pool.nbytes) >= 16 * 1024, mode
     assert not KVPool(1, 1, 16, 1, 8, torch.float32).huge_pages  # under 2 MiB: nothing to ask
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and glibc's mallopt")
+def test_a_pool_gets_huge_pages_where_malloc_would_reuse_faulted_heap() -> None:
+    """A full test run once gave a 60 MiB pool 0 KiB of huge pages: malloc had handed back heap
+    memory freed tensors had already faulted in on 4 KiB pages, where the advice changes nothing.
+    Forced here (in a child process: mallopt is process-wide) by raising glibc's mmap threshold
+    and faulting and freeing 128 MiB of heap first."""
+    script = textwrap.dedent(
+        f"""
+        import ctypes, sys
+        import torch
+        ctypes.CDLL(None).mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: big blocks from the heap
+        scratch = [torch.ones(64 << 20, dtype=torch.uint8) for _ in range(2)]
+        del scratch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_kv_pool import _huge_kib_in
+        from pdserve.kv_cache.pool import KVPool
+        pool = KVPool(4, 1280, 16, 3, 64, torch.bfloat16)
+        start = pool.kv.data_ptr()
+        print(int(pool.huge_pages), _huge_kib_in(start, start + pool.nbytes))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    assert out[0] == "1"
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" not in mode:
+        assert int(out[1]) >= 16 * 1024, mode
