@@ -15,10 +15,12 @@ shared caches and memory bandwidth take the rest).
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +44,7 @@ def time_loop(
     out.append((time.perf_counter() - t0) / n * 1e3)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
@@ -53,8 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="timing window per measurement")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--enforce-eager", action="store_true", help="do not compile the model")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--processes", action="store_true", help="the two loops in two processes, not threads"
+    )
+    return p.parse_args(argv)
 
+
+def build(args: argparse.Namespace) -> tuple[ModelRunner, list[ScheduledSeq], list[ScheduledSeq]]:
+    """The runner, the decode batch (its prompts already prefilled) and the prefill batch."""
     torch.set_num_threads(args.threads)  # before the compile: inductor keeps this count
     bs = 16
     per_seq = -(-(args.context + 1) // bs)
@@ -85,12 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     ptable = list(range(base, base + pre_blocks))
     pprompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     prefill = [ScheduledSeq("p", pprompt, 0, ptable, True, sp, prompt_token_ids=pprompt)]
+    return runner, decodes, prefill
 
+
+def report(r: int, d_alone: float, p_alone: float, d_both: float, p_both: float) -> None:
+    eff = d_alone / d_both + p_alone / p_both
     print(
-        f"# {args.model} {args.dtype}, {args.threads} thread(s) per loop; decode batch "
-        f"{args.batch} at context {args.context}; prefill {args.prompt_len} tokens",
+        f"round {r + 1}: alone decode {d_alone:.1f} ms/step, prefill {p_alone:.1f} "
+        f"ms/forward; together {d_both:.1f} and {p_both:.1f}; combined efficiency "
+        f"{eff:.2f} (2.0 = perfect)",
         flush=True,
     )
+
+
+def run_threads(args: argparse.Namespace) -> None:
+    runner, decodes, prefill = build(args)
     for r in range(args.rounds):
         d_alone: list[float] = []
         p_alone: list[float] = []
@@ -110,13 +127,60 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
         for t in loops:
             t.join()
-        eff = d_alone[0] / d_both[0] + p_alone[0] / p_both[0]
-        print(
-            f"round {r + 1}: alone decode {d_alone[0]:.1f} ms/step, prefill {p_alone[0]:.1f} "
-            f"ms/forward; together {d_both[0]:.1f} and {p_both[0]:.1f}; combined efficiency "
-            f"{eff:.2f} (2.0 = perfect)",
-            flush=True,
-        )
+        report(r, d_alone[0], p_alone[0], d_both[0], p_both[0])
+
+
+def process_loop(args: argparse.Namespace, role: str, barrier: Any, results: Any) -> None:
+    """One of the two processes: per round, its loop alone (while the other waits), then both."""
+    runner, decodes, prefill = build(args)
+    batch = decodes if role == "decode" else prefill
+    for r in range(args.rounds):
+        for phase in ("decode", "prefill", "both"):
+            barrier.wait()
+            if phase in (role, "both"):
+                out: list[float] = []
+                time_loop(runner, batch, args.seconds, args.threads, out)
+                results.put((r, role, phase, out[0]))
+            barrier.wait()
+
+
+def run_processes(args: argparse.Namespace) -> None:
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=process_loop, args=(args, role, barrier, results))
+        for role in ("decode", "prefill")
+    ]
+    for p in procs:
+        p.start()
+    got: dict[tuple[int, str, str], float] = {}
+    for _ in range(args.rounds * 4):
+        r, role, phase, ms = results.get(timeout=1800)
+        got[(r, role, phase)] = ms
+        if (r, "decode", "both") in got and (r, "prefill", "both") in got:
+            report(
+                r,
+                got[(r, "decode", "decode")],
+                got[(r, "prefill", "prefill")],
+                got[(r, "decode", "both")],
+                got[(r, "prefill", "both")],
+            )
+    for p in procs:
+        p.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    print(
+        f"# {args.model} {args.dtype}, {args.threads} thread(s) per loop; decode batch "
+        f"{args.batch} at context {args.context}; prefill {args.prompt_len} tokens; "
+        f"{'two processes' if args.processes else 'two threads of one process'}",
+        flush=True,
+    )
+    if args.processes:
+        run_processes(args)
+    else:
+        run_threads(args)
     return 0
 
 
