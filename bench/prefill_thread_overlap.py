@@ -56,6 +56,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--enforce-eager", action="store_true", help="do not compile the model")
     p.add_argument(
+        "--switch-interval-ms", type=float, help="sys.setswitchinterval (Python's default: 5 ms)"
+    )
+    p.add_argument(
         "--processes", action="store_true", help="the two loops in two processes, not threads"
     )
     return p.parse_args(argv)
@@ -107,7 +110,10 @@ def report(r: int, d_alone: float, p_alone: float, d_both: float, p_both: float)
 
 
 def run_threads(args: argparse.Namespace) -> None:
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     runner, decodes, prefill = build(args)
+    print("# built", flush=True)
     for r in range(args.rounds):
         d_alone: list[float] = []
         p_alone: list[float] = []
