@@ -910,6 +910,134 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
     }
 }
 
+#if PD_HAVE_DP
+/* prefill_item for bf16 queries and bf16 K/V on a CPU with AVX512_BF16 (head_dim D a multiple of
+ * 32, 16-float vectors), by VDPBF16PS in both matmuls. The queries stay bf16 (as stored: no
+ * rounding) and are read as pairs (q[2i], q[2i + 1]); per tile, K is transposed into [D / 2][PK]
+ * 32-bit pairs, so one VDPBF16PS against the broadcast query pair i adds pair i's two products
+ * of all PK keys into one vector of scores (half the multiply-adds of the fp32 path, no widening
+ * of K), scaled by `scale` in fp32 after. The weighted sum of V is the decode kernel's
+ * (values_dp_blocks): the probabilities rounded to bf16 (the softmax sum stays fp32), the V
+ * rows of keys j, j + 1 interleaved word by word, once per tile, so one VDPBF16PS against the
+ * broadcast pair (p_j, p_j+1) adds both keys' products; the accumulators are kept in the
+ * unpacks' permuted order and restored once at the end (dp_unpermute). Keys past the tile read
+ * as zero rows (never the pool's rows past the context). */
+ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, const int32_t *table,
+                                        const char *q, int64_t q_tok, int64_t q_head,
+                                        int64_t first, int64_t t0, int nr, int kvh, float scale,
+                                        char *out, int64_t o_tok, int64_t o_head) {
+    uint32_t Qp[PF_MAX_NQ * PF_MAX_D / 2] __attribute__((aligned(64)));
+    float acc[PF_MAX_NQ * PF_MAX_D] __attribute__((aligned(64)));
+    uint32_t Kp[PF_MAX_D / 2 * PK] __attribute__((aligned(64)));
+    uint32_t Vp[PK / 2 * PF_MAX_D] __attribute__((aligned(64)));
+    float m[PF_MAX_NQ], l[PF_MAX_NQ];
+    int64_t pos[PF_MAX_NQ];
+    const int nq = G * nr, H = D / 2;
+    for (int iq = 0; iq < nq; iq++) {
+        const int r = iq / G, g = iq % G;
+        memcpy(Qp + iq * H, q + ((t0 + r) * q_tok + (int64_t)(kvh * G + g) * q_head) * 2,
+               (size_t)D * 2);
+        for (int d = 0; d < D; d++) acc[iq * D + d] = 0.0f;
+        m[iq] = -INFINITY;
+        l[iq] = 0.0f;
+        pos[iq] = first + t0 + r;
+    }
+    const int64_t last = first + t0 + nr - 1; /* the item's last position: keys 0 .. last */
+    const int64_t head_off = (int64_t)kvh * D * 2;
+    for (int64_t j0 = 0; j0 <= last; j0 += PK) {
+        const int nk = last + 1 - j0 < PK ? (int)(last + 1 - j0) : PK;
+        const char *kr[PK], *vr[PK];
+        for (int jj = 0; jj < nk; jj++) {
+            const int64_t off = row_offset(c, table, j0 + jj) + head_off;
+            kr[jj] = c->k + off;
+            vr[jj] = c->v + off;
+        }
+        for (int jj = 0; jj < PK; jj++) {
+            if (jj < nk) {
+                const uint32_t *row = (const uint32_t *)kr[jj];
+                for (int i = 0; i < H; i++) Kp[i * PK + jj] = row[i];
+            } else {
+                for (int i = 0; i < H; i++) Kp[i * PK + jj] = 0;
+            }
+        }
+        for (int jp = 0; jp < (nk + 1) / 2; jp++) {
+            const int j = 2 * jp;
+            for (int b = 0; b < D / 32; b++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(vr[j] + 64 * b));
+                const __m512i y = j + 1 < nk ? _mm512_loadu_si512((const void *)(vr[j + 1] + 64 * b))
+                                             : _mm512_setzero_si512();
+                _mm512_store_si512((void *)(Vp + jp * D + 32 * b), _mm512_unpacklo_epi16(x, y));
+                _mm512_store_si512((void *)(Vp + jp * D + 32 * b + 16),
+                                   _mm512_unpackhi_epi16(x, y));
+            }
+        }
+        for (int i0 = 0; i0 < nq; i0 += PF_QB) {
+            const int nb = nq - i0 < PF_QB ? nq - i0 : PF_QB;
+            if (pos[i0 + nb - 1] < j0) continue; /* positions grow with iq: all masked */
+            __m512 sc[PF_QB];
+            const uint32_t *qrow[PF_QB];
+            for (int b = 0; b < PF_QB; b++) {
+                qrow[b] = Qp + (i0 + (b < nb ? b : 0)) * H; /* rows past nb repeat row 0 */
+                sc[b] = _mm512_setzero_ps();
+            }
+            for (int i = 0; i < H; i++) {
+                const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(Kp + i * PK));
+                for (int b = 0; b < PF_QB; b++)
+                    sc[b] = _mm512_dpbf16_ps(sc[b], (__m512bh)_mm512_set1_epi32((int)qrow[b][i]),
+                                             kv);
+            }
+            for (int b = 0; b < nb; b++) {
+                const int iq = i0 + b;
+                if (pos[iq] < j0) continue;
+                /* lanes of keys past this query's position (or past the tile) get weight 0 */
+                const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
+                vu32 lane;
+                for (int e = 0; e < VW; e++) lane[e] = (uint32_t)e;
+                const vu32 live = (vu32)(lane < (uint32_t)see);
+                const vf sv = vselect(live, (vf)sc[b] * scale, (vf){0} - INFINITY);
+                const float mt = hmax(sv) > m[iq] ? hmax(sv) : m[iq];
+                const float alpha = expf(m[iq] - mt); /* 0 on the first tile */
+                const vf w = vselect(live, exp_nonpos_v(sv - mt), (vf){0});
+                l[iq] = l[iq] * alpha + hsum(w);
+                m[iq] = mt;
+                uint32_t pp[PK / 2] __attribute__((aligned(32)));
+                const __m256bh h = _mm512_cvtneps_pbh((__m512)w);
+                memcpy(pp, &h, sizeof h);
+                float *a = acc + iq * D;
+                __m512 o[PF_MAX_D / 16];
+                const __m512 al = _mm512_set1_ps(alpha);
+                for (int x = 0; x < D / 16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), al);
+                for (int jp = 0; jp < (see + 1) / 2; jp++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
+                    for (int x = 0; x < D / 16; x++)
+                        o[x] = _mm512_dpbf16_ps(
+                            o[x], pv, (__m512bh)_mm512_load_si512((const void *)(Vp + jp * D + 16 * x)));
+                }
+                for (int x = 0; x < D / 16; x++) _mm512_store_ps(a + 16 * x, o[x]);
+            }
+        }
+    }
+    dp_unpermute(acc, nq, D);
+    for (int iq = 0; iq < nq; iq++) {
+        const int r = iq / G, g = iq % G;
+        char *dst = out + ((t0 + r) * o_tok + (int64_t)(kvh * G + g) * o_head) * 2;
+        const float inv = 1.0f / l[iq];
+        for (int d = 0; d < D; d++) store_one(dst, d, acc[iq * D + d] * inv, PD_BF16);
+    }
+}
+
+static void prefill_item_dp(const Cache *c, int G, int D, const int32_t *table, const char *q,
+                            int64_t q_tok, int64_t q_head, int64_t first, int64_t t0, int nr,
+                            int kvh, float scale, char *out, int64_t o_tok, int64_t o_head) {
+    if (D == 64)
+        prefill_item_dp_body(c, G, 64, table, q, q_tok, q_head, first, t0, nr, kvh, scale, out,
+                             o_tok, o_head);
+    else
+        prefill_item_dp_body(c, G, D, table, q, q_tok, q_head, first, t0, nr, kvh, scale, out,
+                             o_tok, o_head);
+}
+#endif
+
 /* Whether pd_paged_prefill takes these shapes: 1 when it does, else 0 (the caller falls back). */
 int pd_paged_prefill_fits(int heads, int kv_heads, int head_dim) {
     return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads * PQ <= PF_MAX_NQ &&
@@ -944,15 +1072,27 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
         for (int64_t t0 = (q_lens[i] - 1) / PQ * PQ; t0 >= 0; t0 -= PQ)
             for (int64_t h = 0; h < kv_heads; h++) items[n++] = (PrefillItem){i, h, t0};
     (void)num_threads;
+    /* bf16 queries and K/V where the CPU has VDPBF16PS: prefill_item_dp */
+    const int dp = PD_HAVE_DP && q_dtype == PD_BF16 && kv_dtype == PD_BF16 && head_dim % 32 == 0;
+    (void)dp;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t it = 0; it < n_items; it++) {
         const PrefillItem w = items[it];
         const int64_t start = starts[w.span], left = q_lens[w.span] - w.t0;
         const char *qs = (const char *)q + start * q_tok_stride * elem_size(q_dtype);
         char *os = (char *)out + start * o_tok_stride * elem_size(q_dtype);
+        const int nr = left < PQ ? (int)left : PQ;
+#if PD_HAVE_DP
+        if (dp) {
+            prefill_item_dp(&c, G, head_dim, tables + w.span * table_stride, qs, q_tok_stride,
+                            q_head_stride, computed[w.span], w.t0, nr, (int)w.kvh, scale, os,
+                            o_tok_stride, o_head_stride);
+            continue;
+        }
+#endif
         prefill_item(&c, G, head_dim, tables + w.span * table_stride, qs, q_tok_stride,
-                     q_head_stride, q_dtype, computed[w.span], w.t0, left < PQ ? (int)left : PQ,
-                     (int)w.kvh, scale, os, o_tok_stride, o_head_stride);
+                     q_head_stride, q_dtype, computed[w.span], w.t0, nr, (int)w.kvh, scale, os,
+                     o_tok_stride, o_head_stride);
     }
     free(items);
     return 0;
