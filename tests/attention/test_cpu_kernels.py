@@ -412,3 +412,25 @@ def test_prefill_bad_arguments_are_named() -> None:
             chunks.q, chunks.k_cache.view(-1, 8, 3, 64), chunks.v_cache.view(-1, 8, 3, 64),
             chunks.batch(), out, 0.1,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (16, 2, 32), (12, 3, 48)]
+)
+def test_prefill_never_reads_slots_past_a_chunk(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Every pool slot past a chunk's last position holds NaN: tiles that end mid-tile (and, in
+    the bf16 path, mid key pair) must read zero rows there, never the slots."""
+    spans = [(0, 1), (0, 63), (0, 65), (7, 70), (100, 29)]
+    chunks = Chunks(spans, heads, kv_heads, head_dim, 16, dtype, dtype, seed=7)
+    used = torch.zeros(chunks.k_cache.shape[:2], dtype=torch.bool)
+    for (c, n), table in zip(spans, chunks.tables, strict=True):
+        for t in range(c + n):
+            used[table[t // 16], t % 16] = True
+    chunks.k_cache[~used] = float("nan")
+    chunks.v_cache[~used] = float("nan")
+    out = chunks.run(num_threads=1)
+    assert not out[1:-1].isnan().any()
+    assert chunks.error(out) < tolerance(dtype)
