@@ -782,8 +782,12 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
  * independent chains); then one online-softmax update per query vector (keys past its position
  * get weight 0) and the weighted sum of the tile's V rows into its fp32 accumulator.
  *
+ * With bf16 queries and K/V on a CPU with AVX512_BF16, both matmuls take VDPBF16PS instead, in
+ * tiles of 64 keys (prefill_item_dp).
+ *
  * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
- * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA.
+ * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA; the bf16
+ * path (session 15, bench/prefill_attention.py) against the fp32 one: docs/benchmarks.md.
  */
 
 #define PQ 16                 /* query rows per work item */
