@@ -155,9 +155,10 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def baseline_kernel(rev: str) -> Callable[..., int]:
-    """The decode kernel's entry point built from its source at git revision ``rev`` (compiled
-    into the kernel cache like the current one). Raises RuntimeError when it cannot be built."""
+def library_at(rev: str) -> ctypes.CDLL:
+    """The attention kernel library (decode and prefill entry points) built from its source at
+    git revision ``rev`` (compiled into the kernel cache like the current one). Raises
+    RuntimeError when it cannot be built."""
     # the whole pdserve/ tree of that revision, so the kernel's #include "..." files come along
     rel = cpu_kernels.SOURCE.relative_to(ROOT).as_posix()
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-baseline-"))
@@ -165,11 +166,15 @@ def baseline_kernel(rev: str) -> Callable[..., int]:
     if archive.returncode != 0:
         raise RuntimeError(f"git archive {rev}: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    src = tmp / rel
-    kl = load_library(src)
+    kl = load_library(tmp / rel)
     if kl.lib is None:
         raise RuntimeError(f"the kernel at {rev} does not build: {kl.reason}")
-    fn = kl.lib.pd_paged_decode
+    return kl.lib
+
+
+def baseline_kernel(rev: str) -> Callable[..., int]:
+    """The decode kernel's entry point at git revision ``rev`` (see :func:`library_at`)."""
+    fn = library_at(rev).pd_paged_decode
     fn.argtypes, fn.restype = cpu_kernels._ARGTYPES, ctypes.c_int
     return fn
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,23 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.attention import cpu_kernels  # noqa: E402
-from pdserve.attention.cpu_build import load_library  # noqa: E402
 from pdserve.attention.cpu_kernels import PrefillBatch  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from cpu_attention import library_at  # noqa: E402
 
 
 def baseline_prefill(rev: str) -> Callable[..., int]:
     """``pd_paged_prefill`` built from the kernel source at git revision ``rev``. Raises
     RuntimeError when it cannot be built."""
-    rel = cpu_kernels.SOURCE.relative_to(ROOT).as_posix()
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-baseline-"))
-    archive = subprocess.run(["git", "archive", rev, "pdserve"], cwd=ROOT, capture_output=True)
-    if archive.returncode != 0:
-        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    kl = load_library(tmp / rel)
-    if kl.lib is None:
-        raise RuntimeError(f"the kernel at {rev} does not build: {kl.reason}")
-    fn = kl.lib.pd_paged_prefill
+    fn = library_at(rev).pd_paged_prefill
     fn.argtypes, fn.restype = cpu_kernels._PREFILL_ARGTYPES, ctypes.c_int
     return fn
 
