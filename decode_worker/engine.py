@@ -18,7 +18,10 @@ a remote prompt does when its KV arrives. On a 2-core CPU this is the disaggrega
 one process, without a KV transfer: two single-threaded loops that never wait for each other,
 where one two-threaded loop syncs both threads at every parallel region and stretches the steps
 that carry a prompt chunk (see docs/benchmarks.md, session 13). ``runner.run`` releases the GIL
-for its kernels, so the two forwards overlap.
+for its matmul and attention kernels, so the two forwards overlap, but not fully: the decode
+step's Python (and inductor's fused loops, which run holding the GIL) waits on the other thread,
+so two threads reach 1.65-1.75 of the two loops' solo rates where two processes reach 1.96
+(``bench/prefill_thread_overlap.py [--processes]``, docs/benchmarks.md, session 15).
 
 The step loop, lock and shutdown come from :class:`~pdserve.engine.worker_engine.WorkerEngine`.
 KV arrivals are completed on the receiver's threads: their callbacks only queue a notice and
