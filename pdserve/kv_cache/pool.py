@@ -60,13 +60,17 @@ def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch
     Why its own mapping: ``torch.empty`` goes through malloc, which may hand back heap memory a
     freed tensor had already faulted in on 4 KiB pages; advice on those pages changes nothing
     (seen in a full test run: a 60 MiB pool got 0 KiB of huge pages). Returns
-    ``(tensor, huge_pages)``, ``huge_pages`` being whether the advice was taken.
+    ``(tensor, huge_pages)``, ``huge_pages`` being whether the advice was taken. Raises
+    MemoryError when the mapping cannot be made.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
         return torch.empty(tuple(shape), dtype=dtype), False
     # anonymous and private (Python maps shared by default: shmem, whose THP setting differs)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    except OSError as e:
+        raise MemoryError(f"cannot map {nbytes} bytes for a tensor of shape {shape}: {e}") from e
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     t = raw[offset : offset + nbytes].view(dtype).view(tuple(shape))

@@ -923,8 +923,8 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
  * 32, 16-float vectors), by VDPBF16PS in both matmuls. The queries stay bf16 (as stored: no
  * rounding) and are read as pairs (q[2i], q[2i + 1]); per tile, K is transposed into [D / 2][PKD]
  * 32-bit pairs, so one VDPBF16PS against the broadcast query pair i adds pair i's two products
- * of all PKD keys into PKD / 16 vectors of scores (half the multiply-adds of the fp32 path, no widening
- * of K), scaled by `scale` in fp32 after. The weighted sum of V is the decode kernel's
+ * of 16 keys into one vector of scores (half the multiply-adds of the fp32 path, no widening of
+ * K), scaled by `scale` in fp32 after. The weighted sum of V is the decode kernel's
  * (values_dp_blocks): the probabilities rounded to bf16 (the softmax sum stays fp32), the V
  * rows of keys j, j + 1 interleaved word by word, once per tile, so one VDPBF16PS against the
  * broadcast pair (p_j, p_j+1) adds both keys' products; the accumulators are kept in the
@@ -976,8 +976,9 @@ ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, cons
             const int j = 2 * jp;
             for (int b = 0; b < D / 32; b++) {
                 const __m512i x = _mm512_loadu_si512((const void *)(vr[j] + 64 * b));
-                const __m512i y = j + 1 < nk ? _mm512_loadu_si512((const void *)(vr[j + 1] + 64 * b))
-                                             : _mm512_setzero_si512();
+                const __m512i y = j + 1 < nk
+                                      ? _mm512_loadu_si512((const void *)(vr[j + 1] + 64 * b))
+                                      : _mm512_setzero_si512();
                 _mm512_store_si512((void *)(Vp + jp * D + 32 * b), _mm512_unpacklo_epi16(x, y));
                 _mm512_store_si512((void *)(Vp + jp * D + 32 * b + 16),
                                    _mm512_unpackhi_epi16(x, y));
@@ -1030,12 +1031,14 @@ ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, cons
                 float *a = acc + iq * D;
                 __m512 o[PF_MAX_D / 16];
                 const __m512 al = _mm512_set1_ps(alpha);
-                for (int x = 0; x < D / 16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), al);
+                for (int x = 0; x < D / 16; x++)
+                    o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), al);
                 for (int jp = 0; jp < (see + 1) / 2; jp++) {
                     const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
+                    const uint32_t *vrow = Vp + jp * D;
                     for (int x = 0; x < D / 16; x++)
                         o[x] = _mm512_dpbf16_ps(
-                            o[x], pv, (__m512bh)_mm512_load_si512((const void *)(Vp + jp * D + 16 * x)));
+                            o[x], pv, (__m512bh)_mm512_load_si512((const void *)(vrow + 16 * x)));
                 }
                 for (int x = 0; x < D / 16; x++) _mm512_store_ps(a + 16 * x, o[x]);
             }
