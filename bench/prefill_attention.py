@@ -7,7 +7,11 @@ position 0, and a chunk of ``--chunk`` tokens after ``--cached`` tokens already 
 source runs interleaved with the current one (best of ``--repeats`` rounds each), and both
 outputs are compared with the definition in float64.
 
-    .venv/bin/python bench/prefill_attention.py --baseline-rev HEAD~1
+``--forward`` times whole prefill forwards instead (SmolLM2 compiled, ``--prompt-len`` tokens,
+one thread, the model built as ``bench/prefill_thread_overlap.py`` builds it), the two kernels
+swapped in one process, ``--repeats`` interleaved rounds of six forwards each.
+
+    .venv/bin/python bench/prefill_attention.py --baseline-rev HEAD~1 [--forward]
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ def baseline_prefill(rev: str) -> Callable[..., int]:
     return fn
 
 
+class swapped_prefill:  # noqa: N801 - a context manager, used like a function
+    """Within the block, ``pd_paged_prefill`` calls go to ``fn`` (None: the current kernel)."""
+
+    def __init__(self, fn: Callable[..., int] | None) -> None:
+        self.fn, self.saved = fn, None
+
+    def __enter__(self) -> None:
+        if self.fn is not None:
+            lib = cpu_kernels.load().lib
+            self.saved, lib.pd_paged_prefill = lib.pd_paged_prefill, self.fn
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            cpu_kernels.load().lib.pd_paged_prefill = self.saved
+
+
 class Case:
     """One layer's pool and one chunk: ``cached`` tokens already in the pool, then ``q_len``."""
 
@@ -56,19 +76,10 @@ class Case:
 
     def run(self, fn: Callable[..., int] | None) -> torch.Tensor:
         out = torch.empty_like(self.q)
-        saved = None
-        if fn is not None:
-            saved, cpu_kernels.load().lib.pd_paged_prefill = (
-                cpu_kernels.load().lib.pd_paged_prefill,
-                fn,
-            )
-        try:
+        with swapped_prefill(fn):
             cpu_kernels.paged_prefill_attention(
                 self.q, self.k, self.v, self.batch, out, self.scale, 1
             )
-        finally:
-            if saved is not None:
-                cpu_kernels.load().lib.pd_paged_prefill = saved
         return out
 
     def error(self, out: torch.Tensor) -> float:
@@ -88,6 +99,24 @@ def best_ms(fn: Callable[[], object], inner: int) -> float:
     return (time.perf_counter() - t0) / inner * 1e3
 
 
+def forward_table(args: argparse.Namespace, base: Callable[..., int] | None) -> None:
+    """ms per whole prefill forward, current kernel (and ``base``), interleaved rounds."""
+    from prefill_thread_overlap import build, parse
+
+    runner, _, prefill = build(parse(["--dtype", args.dtypes.split(",")[0],
+                                      "--prompt-len", str(args.prompt_len)]))  # fmt: skip
+    kernels = {"current": None} | ({args.baseline_rev: base} if base else {})
+    rounds: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(args.repeats):
+        for name, fn in kernels.items():
+            with swapped_prefill(fn):
+                runner.run(prefill)  # one untimed forward after the swap
+                rounds[name].append(best_ms(lambda: runner.run(prefill), 6))
+    for name, ms in rounds.items():
+        print(f"| {name} | {args.prompt_len}-token prefill forward, ms per round | "
+              + " / ".join(f"{x:.1f}" for x in ms) + " |", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
@@ -96,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline-rev", help="also time the kernel of this git revision")
+    p.add_argument("--forward", action="store_true", help="time whole prefill forwards")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     base = baseline_prefill(args.baseline_rev) if args.baseline_rev else None
+    if args.forward:
+        forward_table(args, base)
+        return 0
     head = "| dtype | chunk | ms a layer | error |"
     if base:
         head += f" {args.baseline_rev} ms | {args.baseline_rev} error |"
