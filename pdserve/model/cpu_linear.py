@@ -17,7 +17,7 @@ pack (fp16 without avx512_fp16, a non-CPU device, a torch built without MKL-DNN)
 Skinny calls (a decode step's few rows) go elsewhere: oneDNN's kernels stream a weight at 5-8 GB/s
 there, below what one core can pull. Where the CPU has AVX-512F (fp32) or AVX512_BF16 (bf16), a
 :class:`PackedLinear` can also hold the weight in column panels for ``cpu_kernels/skinny_gemm.c``
-and runs calls of :data:`SKINNY_ROWS` rows with it (SmolLM2-135M fp32, the 30 layers'
+and runs calls of :func:`skinny_rows` rows with it (SmolLM2-135M fp32, the 30 layers'
 four linears plus the LM head at 16 rows, measured on an AMX Xeon, one thread: 62.8 against 87.0
 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467 against 597 ms, so larger
 calls stay with oneDNN; bf16 in docs/benchmarks.md). The panels are a second copy of the weight:
@@ -40,6 +40,7 @@ from torch import nn
 
 from pdserve import env
 from pdserve.attention.cpu_build import load_library
+from pdserve.cpu import has_amx_bf16
 from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
 
@@ -53,11 +54,14 @@ SKINNY_PANEL = 16
 # Rows up to which the skinny kernel runs a call (measured, fp32, SmolLM2-135M shapes, one thread:
 # 1.38x oneDNN at 16 rows, 1.17x at 32, even at 64, 0.78x at 256).
 SKINNY_MAX_ROWS = 32
-# The row counts (inclusive) each dtype's kernel runs; the rest go to oneDNN. bf16 (measured on a
-# Zen 4 EPYC, one thread, bench/skinny_gemm.py, SmolLM2-135M's 30 layers and LM head): since the
-# kernel keeps only a block's own rows' accumulators (one compiled block per row count), it is
-# 1.47x oneDNN at 1 row, 1.30x at 4, 1.40x at 12, 1.21x at 16, 1.15x at 24 and even at 32.
+# The row counts (inclusive) each dtype's kernel runs; the rest go to oneDNN. bf16 (measured with
+# bench/skinny_gemm.py, SmolLM2-135M's 30 layers and LM head, one thread): on a Zen 4 EPYC
+# (VDPBF16PS, no AMX) the kernel keeps only a block's own rows' accumulators (one compiled block per
+# row count) and is 1.47x oneDNN at 1 row, 1.30x at 4, 1.40x at 12, 1.21x at 16, 1.15x at 24 and
+# even at 32; on a Xeon with AMX, where oneDNN's bf16 GEMM runs on the tile unit, it is 1.35x at 1
+# row, 1.13x at 4, 0.94x at 6, 0.75x at 8 and 0.41x at 16 (two threads: 1.16x at 4, 0.75x at 8).
 SKINNY_ROWS = {torch.float32: (1, SKINNY_MAX_ROWS), torch.bfloat16: (1, SKINNY_MAX_ROWS)}
+SKINNY_ROWS_AMX_BF16 = (1, 4)
 # the C entry point and the CPU feature it needs, per weight dtype
 _SKINNY_FUNCS = {
     torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F"),
@@ -126,7 +130,7 @@ def _packed_linear(
         and x.shape[-1] == _panels_k(skinny_weight)
     ):
         rows = x.numel() // max(1, x.shape[-1])
-        lo, hi = SKINNY_ROWS[x.dtype]
+        lo, hi = skinny_rows(x.dtype)
         fn = _skinny_kernel(x.dtype)[0]
         if lo <= rows <= hi and fn is not None:
             return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
@@ -174,6 +178,16 @@ def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str |
     fn.argtypes = _SKINNY_ARGTYPES
     fn.restype = ctypes.c_int
     return fn, None
+
+
+@functools.cache
+def skinny_rows(dtype: torch.dtype) -> tuple[int, int]:
+    """The row counts (inclusive bounds) for which a :class:`PackedLinear` of ``dtype`` runs a
+    call with the skinny kernel on this CPU (fp32 or bf16): :data:`SKINNY_ROWS`, except bf16 on a
+    CPU with ``amx_bf16`` (:data:`SKINNY_ROWS_AMX_BF16`: oneDNN's AMX GEMM wins past 4 rows)."""
+    if dtype == torch.bfloat16 and has_amx_bf16():
+        return SKINNY_ROWS_AMX_BF16
+    return SKINNY_ROWS[dtype]
 
 
 def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:
@@ -229,7 +243,7 @@ def skinny_linear(
     for a weight of ``out_features`` (or fewer) rows; bias: [out_features] of the same dtype, or
     None. Returns a new [..., out_features] tensor of that dtype (bf16: fp32 sums rounded once);
     the call runs on ``torch.get_num_threads()`` OpenMP threads. Any row count works (each 16 rows
-    re-read the panels); it pays in :data:`SKINNY_ROWS`. Raises RuntimeError when the
+    re-read the panels); it pays in :func:`skinny_rows`. Raises RuntimeError when the
     kernel is unavailable (:func:`skinny_reason`), ValueError when shapes or dtypes do not fit.
     """
     fn, why = _skinny_kernel(panels.dtype)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tiny_models import TINY, PagedForward
 
 from pdserve.config import LoadConfig
+from pdserve.model import cpu_linear
 from pdserve.model.cpu_linear import (
     SKINNY_MAX_ROWS,
     SKINNY_PANEL,
@@ -21,6 +22,7 @@ from pdserve.model.cpu_linear import (
     skinny_linear,
     skinny_pack,
     skinny_reason,
+    skinny_rows,
 )
 from pdserve.model.loader import load_model
 
@@ -107,6 +109,36 @@ def test_skinny_kernel_is_used_exactly_where_it_applies() -> None:
             PackedLinear(w, None, skinny=True)
         with pytest.raises(RuntimeError, match="skinny kernel unavailable"):
             skinny_linear(torch.randn(2, 24), skinny_pack(w), 40, None)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_calls_past_four_rows_go_to_onednn_on_an_amx_cpu(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on AMX oneDNN's tile GEMM beats the VDPBF16PS kernel past 4 rows (docs/benchmarks.md)
+    monkeypatch.setattr(cpu_linear, "has_amx_bf16", lambda: amx)
+    cpu_linear.skinny_rows.cache_clear()
+    try:
+        assert skinny_rows(torch.bfloat16) == ((1, 4) if amx else (1, SKINNY_MAX_ROWS))
+        assert skinny_rows(torch.float32) == (1, SKINNY_MAX_ROWS)
+        if not (has_skinny_bf16 and can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))):
+            return
+        calls: list[int] = []
+        real = cpu_linear._skinny_run
+
+        def spy(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return real(fn, x, *args)
+
+        monkeypatch.setattr(cpu_linear, "_skinny_run", spy)
+        w = torch.randn(40, 24).bfloat16()
+        layer = PackedLinear(w, None)
+        for rows in (1, 4, 5, 16):
+            x = torch.randn(rows, 24).bfloat16()
+            torch.testing.assert_close(layer(x), x @ w.T, atol=2e-2, rtol=2e-2)
+        assert calls == ([1, 4] if amx else [1, 4, 5, 16])
+    finally:
+        cpu_linear.skinny_rows.cache_clear()
 
 
 def test_skinny_pack_layout() -> None:
