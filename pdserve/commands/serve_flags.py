@@ -235,8 +235,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--cpus-per-worker",
         type=float,
         default=None,
-        help="Ray CPUs (and torch threads, rounded) per worker (default: the CPUs split evenly; "
-        "for bf16/fp16 on CPU one is left to the router where the rest split into whole CPUs)",
+        help="Ray CPUs (and torch threads, rounded) per worker (default: the machine's CPUs "
+        "split evenly among the workers)",
     )
     g.add_argument(
         "--ray-address",

@@ -27,7 +27,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from pdserve.config import EngineConfig, check_cpus_per_worker
-from pdserve.cpu import has_amx_bf16
 from pdserve.worker_info import WorkerInfo
 from router.cluster.ray_join import join, join_hint
 from router.cluster.registry import NAMESPACE, live_registry
@@ -42,8 +41,7 @@ MAX_WORKERS_PER_ROLE = 64  # /admin/scale bound: far beyond one node, catches ty
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (for 16-bit models
-    on a CPU with AMX one left to the router where the rest split into whole CPUs; see
+    """What to run. ``cpus_per_worker`` None = the machine's CPUs split evenly (see
     :func:`local_resources`).
 
     ``gpus_per_worker`` None = 1 on CUDA (a fraction when workers outnumber GPUs), 0 on CPU.
@@ -91,32 +89,21 @@ class ClusterSpec:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
 
-# CPUs the default split leaves to the router (HTTP and gRPC gateways, detokenization), Ray's
-# daemons and local clients, for 16-bit models on a CPU with AMX, where the other CPUs split into
-# whole CPUs per worker. A worker's torch threads wait for each other at every op, so a thread the
-# router keeps descheduling stalls the whole step, and an AMX bf16 step is short enough for that
-# to cost more than the thread gains. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M, unified
-# mode, the serving suite's main workload (docs/benchmarks.md, session 7): bf16, three
-# interleaved pairs, the decode worker on 1 thread 229 / 223 / 214 output tok/s, on both cores
-# 189 / 188 / 186. Without AMX the matmuls dominate and the second core pays: on a 2-core AMD EPYC
-# (Zen 4, avx512_bf16, no AMX), the same workload in session 10, two pairs, 1 thread 135.0 / 154.7
-# tok/s, both cores 174.1 / 177.9 (p99 TPOT 120 / 101 ms against 90 / 91). float32 keeps every CPU
-# (session 7, AMX: 1 thread 100.1, both cores 115.2). Splits that are not whole keep every CPU too
-# (unmeasured: 4 cores and 2 workers would otherwise halve each worker's threads).
-ROUTER_RESERVED_CPUS = 1
-
-
 def local_resources(spec: ClusterSpec) -> tuple[float, int]:
     """(CPUs per worker, CPUs to give a new local Ray) for ``spec``: ``cpus_per_worker``, else
-    the machine's CPUs split evenly (at least 0.5 each); for a bf16/fp16 model on a CPU with AMX
-    whose workers can share all CPUs but ROUTER_RESERVED_CPUS as whole CPUs each, that split."""
+    the machine's CPUs split evenly among the workers (at least 0.5 each).
+
+    The router (HTTP and gRPC gateways, detokenization) keeps no CPU of its own: it waits on I/O
+    most of the time, and a worker with two or more threads runs its prefill and decode loops
+    apart (decode_worker/engine.py), which pays even where the two CPUs are hyperthreads sharing
+    one AMX unit. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M bf16, unified mode, the
+    serving suite's main workload, two interleaved pairs (docs/benchmarks.md, session 16): both
+    CPUs 256.2 / 259.8 output tok/s (p99 ITL 81 / 80 ms), one CPU with the other left to the
+    router 245.8 / 241.6 (p99 ITL 407 / 409 ms). Session 7 had measured the opposite (one thread
+    15-20% faster) when a unified worker ran one loop on two synchronised threads."""
     n = spec.num_prefill_workers + spec.num_decode_workers
     total = os.cpu_count() or 1
-    load = spec.engine.load
-    rest = total - ROUTER_RESERVED_CPUS
-    reserve = load.device == "cpu" and load.resolved_dtype != "float32" and has_amx_bf16()
-    usable = rest if reserve and rest >= n and rest % n == 0 else total
-    cpus = spec.cpus_per_worker or max(0.5, usable / n)
+    cpus = spec.cpus_per_worker or max(0.5, total / n)
     ray_cpus = max(total, int(cpus * n + 0.999))
     return cpus, ray_cpus
 

@@ -12,44 +12,23 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def split(cpus: int, dtype: str, prefill: int, decode: int, monkeypatch: pytest.MonkeyPatch,
-          cpus_per_worker: float | None = None, amx: bool = True) -> tuple[float, int]:  # fmt: skip
+          cpus_per_worker: float | None = None) -> tuple[float, int]:  # fmt: skip
     monkeypatch.setattr(ray_cluster.os, "cpu_count", lambda: cpus)
-    monkeypatch.setattr(ray_cluster, "has_amx_bf16", lambda: amx)
     engine = EngineConfig(load=LoadConfig(dtype=dtype))
     spec = ClusterSpec(engine, prefill, decode, cpus_per_worker=cpus_per_worker)
     return local_resources(spec)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_sixteen_bit_on_amx_leaves_a_cpu_to_the_router(
-    dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # unified on 2 cores: the decode worker gets one, the router the other
-    assert split(2, dtype, 0, 1, monkeypatch) == (1.0, 2)
-    # 3 cores, 1 prefill + 1 decode: one each, one for the router
-    assert split(3, dtype, 1, 1, monkeypatch) == (1.0, 3)
-    # 17 cores, 4 workers: four each, one for the router
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_every_cpu_is_split_among_the_workers(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # measured: a unified worker on both cores (its prefill and decode loops apart) beats one
+    # core with the other left to the router, on AMX too (ray_cluster's note)
+    assert split(2, dtype, 0, 1, monkeypatch) == (2.0, 2)
+    assert split(2, dtype, 1, 1, monkeypatch) == (1.0, 2)
+    assert split(3, dtype, 1, 1, monkeypatch) == (1.5, 3)
+    assert split(16, dtype, 1, 1, monkeypatch) == (8.0, 16)
     cpus, ray_cpus = split(17, dtype, 2, 2, monkeypatch)
-    assert (cpus, ray_cpus, threads_for(cpus)) == (4.0, 17, 4)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_sixteen_bit_without_amx_keeps_every_cpu(
-    dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # measured: without AMX a unified worker on both cores beats one core (ray_cluster's note)
-    assert split(2, dtype, 0, 1, monkeypatch, amx=False) == (2.0, 2)
-    assert split(3, dtype, 1, 1, monkeypatch, amx=False) == (1.5, 3)
-
-
-def test_no_reservation_where_the_rest_does_not_split_whole(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # 1 prefill + 1 decode on 2 cores: reserving one would leave a worker half a CPU
-    assert split(2, "bfloat16", 1, 1, monkeypatch) == (1.0, 2)
-    # 4 cores, 2 workers: 3 do not split into whole CPUs, so both keep 2 (not 1 each)
-    assert split(4, "bfloat16", 1, 1, monkeypatch) == (2.0, 4)
-    assert split(16, "bfloat16", 1, 1, monkeypatch) == (8.0, 16)
+    assert (cpus, ray_cpus, threads_for(cpus)) == (4.25, 17, 4)
 
 
 def test_float32_keeps_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
