@@ -434,3 +434,29 @@ def test_prefill_never_reads_slots_past_a_chunk(
     out = chunks.run(num_threads=1)
     assert not out[1:-1].isnan().any()
     assert chunks.error(out) < tolerance(dtype)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (16, 2, 32), (12, 2, 96)]
+)
+def test_prefill_on_amx_tiles_matches_the_other_path(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Where the CPU has AMX, bf16 prefill runs on its tiles (prefill_item_amx); both that and
+    the VDPBF16PS path match attention by definition, to the same bound. Elsewhere the switch
+    reports that AMX is off."""
+    from pdserve.cpu import has_amx_bf16
+
+    spans = [(0, 1), (0, 63), (0, 65), (7, 70), (100, 29), (0, 270)]
+    chunks = Chunks(spans, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=5)
+    try:
+        assert cpu_kernels.set_prefill_amx(False) is False
+        other = chunks.run(num_threads=1)
+        on = cpu_kernels.set_prefill_amx(True)
+        assert on == (has_amx_bf16() and "-march=native" in cpu_kernels.load().flags)
+        amx = chunks.run(num_threads=2)
+    finally:
+        cpu_kernels.set_prefill_amx(True)
+    assert chunks.error(other) < tolerance(torch.bfloat16)
+    assert chunks.error(amx) < tolerance(torch.bfloat16)
+    assert not on or not torch.equal(amx[1:-1], other[1:-1])  # a different path did run

@@ -285,6 +285,20 @@ def prefill_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
     return kl.lib is not None and bool(kl.lib.pd_paged_prefill_fits(heads, kv_heads, head_dim))
 
 
+def set_prefill_amx(on: bool) -> bool:
+    """Let :func:`paged_prefill_attention` run bf16 chunks on the CPU's AMX tiles (``on``, the
+    default) or keep them on the VDPBF16PS path (for benchmarks and tests of that path); a
+    process-wide switch. Returns whether bf16 prefill now runs on AMX: False wherever the library
+    was built without AMX (``-march=native`` on a CPU without ``amx_bf16``) or the OS refuses
+    tile data. Raises RuntimeError when the kernel library is unavailable."""
+    kl = load()
+    if kl.lib is None:
+        raise RuntimeError(f"paged prefill kernel unavailable: {kl.reason}")
+    fn = kl.lib.pd_set_prefill_amx
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(int(on)))
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

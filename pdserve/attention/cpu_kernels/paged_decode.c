@@ -783,7 +783,7 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
  * get weight 0) and the weighted sum of the tile's V rows into its fp32 accumulator.
  *
  * With bf16 queries and K/V on a CPU with AVX512_BF16, both matmuls take VDPBF16PS instead, in
- * tiles of 64 keys (prefill_item_dp).
+ * tiles of 64 keys (prefill_item_dp); on a CPU with AMX, the tile unit (prefill_item_amx).
  *
  * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
  * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA; the bf16
@@ -1065,6 +1065,222 @@ static void prefill_item_dp(const Cache *c, int G, int D, const int32_t *table, 
 }
 #endif
 
+#if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PD_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AKT 64 /* keys per tile of prefill_item_amx */
+
+/* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
+static int pd_prefill_amx_enabled = 1;
+
+/* Whether this process may use AMX tile data: Linux grants it on request (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, numbers from the kernel's uapi headers); asked once,
+ * 1 when granted. */
+static int amx_permitted(void) {
+    static int state = -1; /* a benign race: every thread asks the same and stores the same */
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+
+/* AMX tile configuration (palette 1): every tile used here is 16 rows of 64 bytes */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) TileConfig;
+
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One span's K and V of one KV head, laid out for the tile loads of prefill_item_amx: kc [n][D]
+ * (rows of keys 0 .. n-1 gathered from the pages) and vt [D][n] (V transposed), n the span's
+ * context rounded up to AKT, the rows past its context zero (never the pool's rows there). */
+static void amx_gather(const Cache *c, const int32_t *table, int64_t ctx, int64_t n, int kvh,
+                       uint16_t *kc, uint16_t *vt) {
+    const int D = c->head_dim;
+    const int64_t head_off = (int64_t)kvh * D * 2;
+    for (int64_t j = 0; j < n; j++) {
+        if (j < ctx) {
+            const int64_t off = row_offset(c, table, j) + head_off;
+            const uint16_t *v = (const uint16_t *)(c->v + off);
+            memcpy(kc + j * D, c->k + off, (size_t)D * 2);
+            for (int d = 0; d < D; d++) vt[d * n + j] = v[d];
+        } else {
+            memset(kc + j * D, 0, (size_t)D * 2);
+            for (int d = 0; d < D; d++) vt[d * n + j] = 0;
+        }
+    }
+}
+
+/* prefill_item for bf16 queries and K/V on a CPU with AMX (head_dim D a multiple of 32, at most
+ * PF_MAX_D), both matmuls on the tile unit, in the transposed form: per block of 16 query vectors
+ * and tile of AKT keys, the scores S^T [keys][16 queries] = K Q^T (K rows straight from kc, Q^T
+ * in pairs built once per item), so the online softmax runs down the columns with one query per
+ * vector lane (no horizontal reductions), and the output O^T [D][16 queries] accumulates
+ * V^T P^T (V^T from vt, the probabilities rounded to bf16 and interleaved in key pairs, the
+ * softmax sum kept in fp32 as the other paths do). kc, vt: amx_gather's layout for this item's
+ * span and KV head, n keys each. The tile unit is configured on entry and released on exit (the
+ * thread may run oneDNN's AMX kernels in between, which configure their own). One layer, one
+ * thread, SmolLM2 shapes, on a 2-core AMX Xeon (bench/prefill_attention.py --baseline-rev, the
+ * VDPBF16PS path): 0.566 vs 1.349 ms (270-token prompt), 1.020 vs 3.092 (256 after 256 cached);
+ * a whole 256-token prefill forward 101 vs 117 ms (docs/benchmarks.md, session 16). */
+static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint16_t *vt,
+                             int64_t n, const char *q, int64_t q_tok, int64_t q_head,
+                             int64_t first, int64_t t0, int nr, int kvh, float scale, char *out,
+                             int64_t o_tok, int64_t o_head) {
+    uint32_t qt[PF_MAX_NQ / 16][PF_MAX_D / 32][16 * 16] __attribute__((aligned(64)));
+    float ot[PF_MAX_NQ / 16][PF_MAX_D * 16] __attribute__((aligned(64)));
+    float st[AKT * 16] __attribute__((aligned(64)));
+    uint32_t pb[AKT / 2 * 16] __attribute__((aligned(64)));
+    const int nq = G * nr, nrb = (nq + 15) / 16, H = D / 2;
+    vf m[PF_MAX_NQ / 16], l[PF_MAX_NQ / 16], posv[PF_MAX_NQ / 16];
+    /* query vector iq = r * G + g (row t0 + r, head kvh * G + g): lane iq % 16 of block iq / 16 */
+    memset(qt, 0, sizeof(qt[0]) * (size_t)nrb);
+    for (int iq = 0; iq < nrb * 16; iq++) {
+        const int rb = iq / 16, lane = iq % 16;
+        posv[rb][lane] = iq < nq ? (float)(first + t0 + iq / G) : -1.0f;
+        if (iq >= nq) continue;
+        const uint32_t *src = (const uint32_t *)(q + ((t0 + iq / G) * q_tok +
+                                                      (int64_t)(kvh * G + iq % G) * q_head) * 2);
+        for (int i = 0; i < H; i++) qt[rb][i / 16][(i % 16) * 16 + lane] = src[i];
+    }
+    for (int rb = 0; rb < nrb; rb++) {
+        m[rb] = (vf){0} - INFINITY;
+        l[rb] = (vf){0};
+        memset(ot[rb], 0, sizeof(float) * (size_t)D * 16);
+    }
+    /* interleaves the bf16 of two 16-lane rows: [a0, b0, a1, b1, ...] */
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    const int64_t last = first + t0 + nr - 1; /* the item's last position: keys 0 .. last */
+    amx_configure();
+    for (int64_t j0 = 0; j0 <= last; j0 += AKT) {
+        for (int rb = 0; rb < nrb; rb++) {
+            const int hi = rb * 16 + 15 < nq - 1 ? rb * 16 + 15 : nq - 1;
+            if (first + t0 + hi / G < j0) continue; /* every query of the block before the tile */
+            /* S^T: tmm0..3 = keys j0 + 16u .. + 15 against the block's 16 queries */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int b = 0; b < D / 32; b++) {
+                _tile_loadd(5, qt[rb][b], 64);
+                const uint16_t *kb = kc + j0 * D + 32 * b;
+                _tile_loadd(4, kb, D * 2);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(4, kb + 16 * D, D * 2);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(4, kb + 32 * D, D * 2);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(4, kb + 48 * D, D * 2);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, st, 64);
+            _tile_stored(1, st + 256, 64);
+            _tile_stored(2, st + 512, 64);
+            _tile_stored(3, st + 768, 64);
+            /* online softmax down the columns: key j0 + jj is live for lanes at or past it */
+            vf s[AKT];
+            vf mx = (vf){0} - INFINITY;
+            for (int jj = 0; jj < AKT; jj++) {
+                vf x;
+                memcpy(&x, st + 16 * jj, sizeof x);
+                const vu32 live = (vu32)(posv[rb] >= (float)(j0 + jj));
+                s[jj] = vselect(live, x * scale, (vf){0} - INFINITY);
+                mx = vselect((vu32)(s[jj] > mx), s[jj], mx);
+            }
+            const vf mt = vselect((vu32)(mx > m[rb]), mx, m[rb]);
+            /* lanes with no live key yet (padding lanes) keep alpha 1 and weights 0 */
+            const vu32 any = (vu32)(mt > -INFINITY);
+            const vf mt0 = vselect(any, mt, (vf){0});
+            const vf alpha = vselect(any, exp_nonpos_v(vselect(any, m[rb], (vf){0}) - mt0),
+                                     (vf){0} + 1.0f);
+            vf wsum = (vf){0};
+            for (int jj = 0; jj < AKT; jj += 2) {
+                const vu32 l0 = (vu32)(s[jj] > -INFINITY), l1 = (vu32)(s[jj + 1] > -INFINITY);
+                const vf w0 = vselect(l0, exp_nonpos_v(s[jj] - mt0), (vf){0});
+                const vf w1 = vselect(l1, exp_nonpos_v(s[jj + 1] - mt0), (vf){0});
+                wsum += w0 + w1;
+                const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0);
+                _mm512_store_si512((void *)(pb + jj / 2 * 16), _mm512_permutexvar_epi16(ilv, pr));
+            }
+            l[rb] = l[rb] * alpha + wsum;
+            m[rb] = mt;
+            /* O^T = alpha * O^T + V^T P^T, 4 tiles of 16 dims at a time */
+            float *o = ot[rb];
+            for (int d = 0; d < D; d++) {
+                vf x;
+                memcpy(&x, o + 16 * d, sizeof x);
+                x *= alpha;
+                memcpy(o + 16 * d, &x, sizeof x);
+            }
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int nt = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+                _tile_loadd(0, o + 16 * d0, 64);
+                if (nt > 1) _tile_loadd(1, o + 16 * (d0 + 16), 64);
+                if (nt > 2) _tile_loadd(2, o + 16 * (d0 + 32), 64);
+                if (nt > 3) _tile_loadd(3, o + 16 * (d0 + 48), 64);
+                for (int kh = 0; kh < AKT / 32; kh++) {
+                    _tile_loadd(5, pb + kh * 256, 64);
+                    const uint16_t *vb = vt + (int64_t)d0 * n + j0 + 32 * kh;
+                    _tile_loadd(4, vb, n * 2);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nt > 1) {
+                        _tile_loadd(4, vb + 16 * n, n * 2);
+                        _tile_dpbf16ps(1, 4, 5);
+                    }
+                    if (nt > 2) {
+                        _tile_loadd(4, vb + 32 * n, n * 2);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (nt > 3) {
+                        _tile_loadd(4, vb + 48 * n, n * 2);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, o + 16 * d0, 64);
+                if (nt > 1) _tile_stored(1, o + 16 * (d0 + 16), 64);
+                if (nt > 2) _tile_stored(2, o + 16 * (d0 + 32), 64);
+                if (nt > 3) _tile_stored(3, o + 16 * (d0 + 48), 64);
+            }
+        }
+    }
+    _tile_release();
+    for (int iq = 0; iq < nq; iq++) {
+        const int rb = iq / 16, lane = iq % 16;
+        char *dst = out + ((t0 + iq / G) * o_tok + (int64_t)(kvh * G + iq % G) * o_head) * 2;
+        const float inv = 1.0f / l[rb][lane];
+        for (int d = 0; d < D; d++) store_one(dst, d, ot[rb][16 * d + lane] * inv, PD_BF16);
+    }
+}
+#else
+#define PD_HAVE_AMX 0
+#endif
+
+/* Whether pd_paged_prefill may run its bf16 prefills on AMX tiles (1, the default) or not (0);
+ * returns whether it will: 0 where the build (no AMX at -march=native) or the OS (no tile data
+ * permission) rules it out. For benchmarks and tests of the other path. */
+int pd_set_prefill_amx(int on) {
+#if PD_HAVE_AMX
+    pd_prefill_amx_enabled = on != 0;
+    return pd_prefill_amx_enabled && amx_permitted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* Whether pd_paged_prefill takes these shapes: 1 when it does, else 0 (the caller falls back). */
 int pd_paged_prefill_fits(int heads, int kv_heads, int head_dim) {
     return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads * PQ <= PF_MAX_NQ &&
@@ -1099,9 +1315,43 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
         for (int64_t t0 = (q_lens[i] - 1) / PQ * PQ; t0 >= 0; t0 -= PQ)
             for (int64_t h = 0; h < kv_heads; h++) items[n++] = (PrefillItem){i, h, t0};
     (void)num_threads;
-    /* bf16 queries and K/V where the CPU has VDPBF16PS: prefill_item_dp */
+    /* bf16 queries and K/V where the CPU has VDPBF16PS: prefill_item_dp; with AMX (and the
+     * kernel's permission to use it), prefill_item_amx over K and V gathered per span and KV
+     * head first (amx_gather) */
     const int dp = PD_HAVE_DP && q_dtype == PD_BF16 && kv_dtype == PD_BF16 && head_dim % 32 == 0;
     (void)dp;
+#if PD_HAVE_AMX
+    int64_t *kv_off = NULL;
+    uint16_t *kc = NULL, *vt = NULL;
+    if (dp && pd_prefill_amx_enabled && amx_permitted()) {
+        kv_off = malloc(sizeof(int64_t) * (size_t)(num_spans + 1));
+        if (!kv_off) {
+            free(items);
+            return -1;
+        }
+        kv_off[0] = 0;
+        for (int64_t i = 0; i < num_spans; i++)
+            kv_off[i + 1] = kv_off[i] + (computed[i] + q_lens[i] + AKT - 1) / AKT * AKT;
+        const size_t elems = (size_t)kv_off[num_spans] * (size_t)kv_heads * (size_t)head_dim;
+        kc = malloc(elems * 2 + 64);
+        vt = malloc(elems * 2 + 64);
+        if (!kc || !vt) {
+            free(kc);
+            free(vt);
+            free(kv_off);
+            free(items);
+            return -1;
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+        for (int64_t sh = 0; sh < num_spans * kv_heads; sh++) {
+            const int64_t i = sh / kv_heads, n = kv_off[i + 1] - kv_off[i];
+            const int h = (int)(sh % kv_heads);
+            const int64_t base = (kv_off[i] * kv_heads + (int64_t)h * n) * head_dim;
+            amx_gather(&c, tables + i * table_stride, computed[i] + q_lens[i], n, h, kc + base,
+                       vt + base);
+        }
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t it = 0; it < n_items; it++) {
         const PrefillItem w = items[it];
@@ -1109,6 +1359,16 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
         const char *qs = (const char *)q + start * q_tok_stride * elem_size(q_dtype);
         char *os = (char *)out + start * o_tok_stride * elem_size(q_dtype);
         const int nr = left < PQ ? (int)left : PQ;
+#if PD_HAVE_AMX
+        if (kc) {
+            const int64_t n = kv_off[w.span + 1] - kv_off[w.span];
+            const int64_t base = (kv_off[w.span] * kv_heads + w.kvh * n) * head_dim;
+            prefill_item_amx(G, head_dim, kc + base, vt + base, n, qs, q_tok_stride,
+                             q_head_stride, computed[w.span], w.t0, nr, (int)w.kvh, scale, os,
+                             o_tok_stride, o_head_stride);
+            continue;
+        }
+#endif
 #if PD_HAVE_DP
         if (dp) {
             prefill_item_dp(&c, G, head_dim, tables + w.span * table_stride, qs, q_tok_stride,
@@ -1121,6 +1381,11 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
                      q_head_stride, q_dtype, computed[w.span], w.t0, nr, (int)w.kvh, scale, os,
                      o_tok_stride, o_head_stride);
     }
+#if PD_HAVE_AMX
+    free(kc);
+    free(vt);
+    free(kv_off);
+#endif
     free(items);
     return 0;
 }
