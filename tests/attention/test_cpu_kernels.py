@@ -447,7 +447,7 @@ def test_prefill_on_amx_tiles_matches_the_other_path(
     reports that AMX is off."""
     from pdserve.cpu import has_amx_bf16
 
-    spans = [(0, 1), (0, 63), (0, 65), (7, 70), (100, 29), (0, 270)]
+    spans = [(0, 1), (0, 63), (0, 65), (7, 70), (100, 29), (0, 270), (1000, 50)]
     chunks = Chunks(spans, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=5)
     try:
         assert cpu_kernels.set_prefill_amx(False) is False
