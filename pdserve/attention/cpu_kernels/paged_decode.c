@@ -771,16 +771,17 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
 
 /* ==== paged prefill attention ================================================================
  *
- * Causal attention of prefill chunks (many query tokens per sequence), K/V read in place from the
- * pool through each chunk's block table, so a chunk after cached tokens (prefix-cache hit,
- * chunked prefill) and a chunk from position 0 take the same path. The FlashAttention loop
- * (Dao et al., "FlashAttention", 2022, Algorithm 1) on one core: a work item is (chunk, KV head,
- * PQ query rows), i.e. the G query heads sharing that KV head for PQ consecutive positions (G x PQ
- * query vectors, kept in fp32, pre-scaled); keys go in tiles of PK tokens up to the item's last
- * position. Per tile, K is transposed into [D][PK] floats once, so each query vector's PK scores
- * are D vector multiply-adds with no horizontal sums (four query vectors at a time, for
- * independent chains); then one online-softmax update per query vector (keys past its position
- * get weight 0) and the weighted sum of the tile's V rows into its fp32 accumulator.
+ * Causal attention of prefill chunks (many query tokens per sequence), K/V read from the pool
+ * through each chunk's block table (in place; the AMX path gathers each span's first), so a chunk
+ * after cached tokens (prefix-cache hit, chunked prefill) and a chunk from position 0 take the same
+ * path. The FlashAttention loop (Dao et al., "FlashAttention", 2022, Algorithm 1) on one core: a
+ * work item is (chunk, KV head, PQ query rows), i.e. the G query heads sharing that KV head for PQ
+ * consecutive positions (G x PQ query vectors, kept in fp32, pre-scaled); keys go in tiles of PK
+ * tokens up to the item's last position. Per tile, K is transposed into [D][PK] floats once, so
+ * each query vector's PK scores are D vector multiply-adds with no horizontal sums (four query
+ * vectors at a time, for independent chains); then one online-softmax update per query vector (keys
+ * past its position get weight 0) and the weighted sum of the tile's V rows into its fp32
+ * accumulator.
  *
  * With bf16 queries and K/V on a CPU with AVX512_BF16, both matmuls take VDPBF16PS instead, in
  * tiles of 64 keys (prefill_item_dp); on a CPU with AMX, the tile unit (prefill_item_amx).
@@ -1068,9 +1069,11 @@ static void prefill_item_dp(const Cache *c, int G, int D, const int32_t *table, 
 #if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PD_HAVE_AMX 1
 #include <sys/syscall.h>
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 #include <unistd.h>
 
 #define AKT 64 /* keys per tile of prefill_item_amx */
+#define AMX_MIN_ROWS 8 /* query rows from which a span takes prefill_item_amx */
 
 /* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
 static int pd_prefill_amx_enabled = 1;
@@ -1143,12 +1146,13 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
     float st[AKT * 16] __attribute__((aligned(64)));
     uint32_t pb[AKT / 2 * 16] __attribute__((aligned(64)));
     const int nq = G * nr, nrb = (nq + 15) / 16, H = D / 2;
-    vf m[PF_MAX_NQ / 16], l[PF_MAX_NQ / 16], posv[PF_MAX_NQ / 16];
+    vf m[PF_MAX_NQ / 16], l[PF_MAX_NQ / 16];
+    vi32 posv[PF_MAX_NQ / 16];
     /* query vector iq = r * G + g (row t0 + r, head kvh * G + g): lane iq % 16 of block iq / 16 */
     memset(qt, 0, sizeof(qt[0]) * (size_t)nrb);
     for (int iq = 0; iq < nrb * 16; iq++) {
         const int rb = iq / 16, lane = iq % 16;
-        posv[rb][lane] = iq < nq ? (float)(first + t0 + iq / G) : -1.0f;
+        posv[rb][lane] = iq < nq ? (int32_t)(first + t0 + iq / G) : -1;
         if (iq >= nq) continue;
         const uint32_t *src = (const uint32_t *)(q + ((t0 + iq / G) * q_tok +
                                                       (int64_t)(kvh * G + iq % G) * q_head) * 2);
@@ -1196,7 +1200,7 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
             for (int jj = 0; jj < AKT; jj++) {
                 vf x;
                 memcpy(&x, st + 16 * jj, sizeof x);
-                const vu32 live = (vu32)(posv[rb] >= (float)(j0 + jj));
+                const vu32 live = (vu32)(posv[rb] >= (int32_t)(j0 + jj));
                 s[jj] = vselect(live, x * scale, (vf){0} - INFINITY);
                 mx = vselect((vu32)(s[jj] > mx), s[jj], mx);
             }
@@ -1321,34 +1325,41 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
     const int dp = PD_HAVE_DP && q_dtype == PD_BF16 && kv_dtype == PD_BF16 && head_dim % 32 == 0;
     (void)dp;
 #if PD_HAVE_AMX
+    /* spans of at least AMX_MIN_ROWS rows take the AMX path; their K/V are gathered first (a
+     * span's gather reads its whole context, which a few rows after a long prefix do not repay:
+     * 1 row after 8000 cached, SmolLM2 shapes, one thread, 1.77 ms on AMX vs 0.83 ms; 16 rows
+     * 2.16 vs 3.98). Where the scratch cannot be allocated every span takes the other path. */
     int64_t *kv_off = NULL;
     uint16_t *kc = NULL, *vt = NULL;
     if (dp && pd_prefill_amx_enabled && amx_permitted()) {
         kv_off = malloc(sizeof(int64_t) * (size_t)(num_spans + 1));
-        if (!kv_off) {
-            free(items);
-            return -1;
+        if (kv_off) {
+            kv_off[0] = 0;
+            for (int64_t i = 0; i < num_spans; i++)
+                kv_off[i + 1] = kv_off[i] + (q_lens[i] >= AMX_MIN_ROWS
+                                                 ? (computed[i] + q_lens[i] + AKT - 1) / AKT * AKT
+                                                 : 0);
+            const size_t elems = (size_t)kv_off[num_spans] * (size_t)kv_heads * (size_t)head_dim;
+            if (elems > 0) {
+                kc = malloc(elems * 2);
+                vt = malloc(elems * 2);
+            }
+            if (!kc || !vt) {
+                free(kc);
+                free(vt);
+                kc = vt = NULL;
+            }
         }
-        kv_off[0] = 0;
-        for (int64_t i = 0; i < num_spans; i++)
-            kv_off[i + 1] = kv_off[i] + (computed[i] + q_lens[i] + AKT - 1) / AKT * AKT;
-        const size_t elems = (size_t)kv_off[num_spans] * (size_t)kv_heads * (size_t)head_dim;
-        kc = malloc(elems * 2 + 64);
-        vt = malloc(elems * 2 + 64);
-        if (!kc || !vt) {
-            free(kc);
-            free(vt);
-            free(kv_off);
-            free(items);
-            return -1;
-        }
+    }
+    if (kc) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
         for (int64_t sh = 0; sh < num_spans * kv_heads; sh++) {
             const int64_t i = sh / kv_heads, n = kv_off[i + 1] - kv_off[i];
             const int h = (int)(sh % kv_heads);
             const int64_t base = (kv_off[i] * kv_heads + (int64_t)h * n) * head_dim;
-            amx_gather(&c, tables + i * table_stride, computed[i] + q_lens[i], n, h, kc + base,
-                       vt + base);
+            if (n > 0)
+                amx_gather(&c, tables + i * table_stride, computed[i] + q_lens[i], n, h,
+                           kc + base, vt + base);
         }
     }
 #endif
@@ -1360,8 +1371,8 @@ int pd_paged_prefill(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
         char *os = (char *)out + start * o_tok_stride * elem_size(q_dtype);
         const int nr = left < PQ ? (int)left : PQ;
 #if PD_HAVE_AMX
-        if (kc) {
-            const int64_t n = kv_off[w.span + 1] - kv_off[w.span];
+        const int64_t n = kc ? kv_off[w.span + 1] - kv_off[w.span] : 0;
+        if (n > 0) {
             const int64_t base = (kv_off[w.span] * kv_heads + w.kvh * n) * head_dim;
             prefill_item_amx(G, head_dim, kc + base, vt + base, n, qs, q_tok_stride,
                              q_head_stride, computed[w.span], w.t0, nr, (int)w.kvh, scale, os,
