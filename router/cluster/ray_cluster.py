@@ -95,8 +95,8 @@ def local_resources(spec: ClusterSpec) -> tuple[float, int]:
 
     The router (HTTP and gRPC gateways, detokenization) keeps no CPU of its own: it waits on I/O
     most of the time, and a worker with two or more threads runs its prefill and decode loops
-    apart (decode_worker/engine.py), which pays even where the two CPUs are hyperthreads sharing
-    one AMX unit. Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M bf16, unified mode, the
+    apart (decode_worker/engine.py), which pays even where a second thread adds nothing to a
+    bf16 matmul (AMX). Measured on a 2-core Intel Xeon (AMX), SmolLM2-135M bf16, unified mode, the
     serving suite's main workload, two interleaved pairs (docs/benchmarks.md, session 16): both
     CPUs 256.2 / 259.8 output tok/s (p99 ITL 81 / 80 ms), one CPU with the other left to the
     router 245.8 / 241.6 (p99 ITL 407 / 409 ms). Session 7 had measured the opposite (one thread
