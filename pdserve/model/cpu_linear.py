@@ -62,6 +62,8 @@ SKINNY_MAX_ROWS = 32
 # row, 1.13x at 4, 0.94x at 6, 0.75x at 8 and 0.41x at 16 (two threads: 1.16x at 4, 0.75x at 8).
 SKINNY_ROWS = {torch.float32: (1, SKINNY_MAX_ROWS), torch.bfloat16: (1, SKINNY_MAX_ROWS)}
 SKINNY_ROWS_AMX_BF16 = (1, 4)
+# bf16 with the kernel's AMX path (2 to 16 rows on tiles, 1 row on VDPBF16PS; see skinny_amx)
+SKINNY_ROWS_AMX_TILES = (1, 16)
 # the C entry point and the CPU feature it needs, per weight dtype
 _SKINNY_FUNCS = {
     torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F"),
@@ -184,10 +186,27 @@ def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str |
 def skinny_rows(dtype: torch.dtype) -> tuple[int, int]:
     """The row counts (inclusive bounds) for which a :class:`PackedLinear` of ``dtype`` runs a
     call with the skinny kernel on this CPU (fp32 or bf16): :data:`SKINNY_ROWS`, except bf16 on a
-    CPU with ``amx_bf16`` (:data:`SKINNY_ROWS_AMX_BF16`: oneDNN's AMX GEMM wins past 4 rows)."""
+    CPU with ``amx_bf16``: where the kernel's own AMX path runs (:func:`skinny_amx`), up to 16
+    rows (:data:`SKINNY_ROWS_AMX_TILES`), else :data:`SKINNY_ROWS_AMX_BF16` (oneDNN's AMX GEMM
+    beats the VDPBF16PS blocks past 4 rows)."""
     if dtype == torch.bfloat16 and has_amx_bf16():
-        return SKINNY_ROWS_AMX_BF16
+        return SKINNY_ROWS_AMX_TILES if skinny_amx() else SKINNY_ROWS_AMX_BF16
     return SKINNY_ROWS[dtype]
+
+
+@functools.cache
+def skinny_amx() -> bool:
+    """Whether the bf16 skinny kernel runs calls of 2 to 16 rows (K a multiple of 32) on AMX tiles
+    here: the library built with AMX (``-march=native`` on a CPU with ``amx_bf16``) and the OS
+    granting tile data. The panels are then the tile unit's B operand as they are; streamed from
+    DRAM (SmolLM2's four decoder linears x 120 weights, 16 rows, one thread, a 2-core AMX Xeon)
+    the AMX path pulls 12.1 GB/s where oneDNN pulls 9.5 (docs/benchmarks.md, session 16)."""
+    kl = load_library(SKINNY_SOURCE)
+    if kl.lib is None or not env.cpu_skinny_gemm():
+        return False
+    fn = kl.lib.pd_skinny_set_amx
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(1))
 
 
 def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:

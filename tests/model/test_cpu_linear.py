@@ -115,11 +115,14 @@ def test_skinny_kernel_is_used_exactly_where_it_applies() -> None:
 def test_bf16_calls_past_four_rows_go_to_onednn_on_an_amx_cpu(
     amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # on AMX oneDNN's tile GEMM beats the VDPBF16PS kernel past 4 rows (docs/benchmarks.md)
+    # on AMX oneDNN's tile GEMM beats the VDPBF16PS kernel past 4 rows, the kernel's own AMX
+    # path beats oneDNN up to 16 (docs/benchmarks.md)
     monkeypatch.setattr(cpu_linear, "has_amx_bf16", lambda: amx)
     cpu_linear.skinny_rows.cache_clear()
     try:
-        assert skinny_rows(torch.bfloat16) == ((1, 4) if amx else (1, SKINNY_MAX_ROWS))
+        tiles = amx and cpu_linear.skinny_amx()  # the kernel's own AMX path (16 rows)
+        want = (1, 16) if tiles else (1, 4) if amx else (1, SKINNY_MAX_ROWS)
+        assert skinny_rows(torch.bfloat16) == want
         assert skinny_rows(torch.float32) == (1, SKINNY_MAX_ROWS)
         if not (has_skinny_bf16 and can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))):
             return
@@ -136,7 +139,7 @@ def test_bf16_calls_past_four_rows_go_to_onednn_on_an_amx_cpu(
         for rows in (1, 4, 5, 16):
             x = torch.randn(rows, 24).bfloat16()
             torch.testing.assert_close(layer(x), x @ w.T, atol=2e-2, rtol=2e-2)
-        assert calls == ([1, 4] if amx else [1, 4, 5, 16])
+        assert calls == ([1, 4] if amx and not tiles else [1, 4, 5, 16])
     finally:
         cpu_linear.skinny_rows.cache_clear()
 
@@ -201,7 +204,7 @@ def _within_one_bf16_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 45])
-@pytest.mark.parametrize(("n", "k"), [(40, 24), (16, 8), (3, 130)])
+@pytest.mark.parametrize(("n", "k"), [(40, 24), (16, 8), (3, 130), (40, 64), (33, 96)])
 def test_skinny_bf16_linear_matches_dense(rows: int, n: int, k: int, threads: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
@@ -294,3 +297,33 @@ def test_the_skinny_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) ->
     assert "PDSERVE_CPU_SKINNY_GEMM" in (skinny_reason() or "") and not skinny_applies(w)
     if can_pack(w):
         assert PackedLinear(w, None).skinny_weight is None
+
+
+@pytest.mark.skipif(
+    not has_skinny_bf16, reason=f"skinny kernel unavailable: {skinny_reason(torch.bfloat16)}"
+)
+def test_skinny_bf16_on_amx_tiles_matches_the_vector_blocks() -> None:
+    """Where the build has AMX, 2 to 16 rows with K a multiple of 32 run on tiles; both paths
+    stay within one bf16 rounding of the exact product. Elsewhere the switch reports it off."""
+    from pdserve.attention.cpu_build import load_library
+    from pdserve.cpu import has_amx_bf16
+
+    lib = load_library(cpu_linear.SKINNY_SOURCE).lib
+    assert lib is not None
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(70, 576, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
+    panels = skinny_pack(w)
+    try:
+        assert lib.pd_skinny_set_amx(0) == 0
+        for rows in (2, 7, 16):
+            x = torch.randn(rows, 576, generator=gen).bfloat16()
+            vec = skinny_linear(x, panels, 70, b)
+            on = bool(lib.pd_skinny_set_amx(1))
+            assert on == (has_amx_bf16() and "-march=native" in load_library(
+                cpu_linear.SKINNY_SOURCE).flags)  # fmt: skip
+            tiles = skinny_linear(x, panels, 70, b)
+            lib.pd_skinny_set_amx(0)
+            _within_one_bf16_rounding(vec, x, w, b)
+            _within_one_bf16_rounding(tiles, x, w, b)
+    finally:
+        lib.pd_skinny_set_amx(1)

@@ -37,14 +37,25 @@
  * are fp32 (bias added in fp32 first), rounded to bf16 once at the end (round to nearest even),
  * as oneDNN does; the order of the sum differs, so an output may differ from oneDNN's by a bf16
  * rounding step. VDPBF16PS treats bf16 denormal inputs as zero (Intel SDM, VDPBF16PS).
+ *
+ * bf16 on AMX (where the target has AMX-BF16 and the OS grants tile data): 2 to 16 rows with K a
+ * multiple of 32 go to panels_amx instead, since a bf16 panel is already TDPBF16PS's B operand.
+ * SmolLM2's four decoder linears, 120 weights each (past the caches), 16 rows, one thread, a
+ * 2-core AMX Xeon: 12.1 GB/s against oneDNN's 9.5 (the VDPBF16PS blocks: 6.5); a whole decode
+ * step of 16 (bf16, compiled): 39.2 / 40.8 ms against 47.5 / 47.3 with oneDNN past 4 rows
+ * (docs/benchmarks.md, session 16).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PANEL 16  /* output columns per panel (one AVX-512 register of floats) */
 #define MR 16     /* rows per register block (16 accumulators) */
 #define PF_LINES 64 /* software prefetch distance, in k steps (64-byte lines) */
+#define SKINNY_AMX_MIN_ROWS 2 /* rows from which bf16 takes the AMX path where there is one */
 
 int pd_skinny_available(void) {
 #if defined(__AVX512F__)
@@ -217,6 +228,113 @@ static inline __attribute__((always_inline)) void panel_block_bf16_n(
 BLOCKS(BF16_BLOCKS, panel_block_bf16_n)
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SKINNY_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* 0 turns the AMX path off (pd_skinny_set_amx) */
+static int skinny_amx_enabled = 1;
+
+/* Whether this process may use AMX tile data (Linux: arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
+ * XFEATURE_XTILEDATA = 18, from the kernel's uapi headers); asked once. */
+static int skinny_amx_permitted(void) {
+    static int state = -1; /* a benign race: every thread asks the same and stores the same */
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) SkinnyTileConfig;
+
+/* The bf16 panels on AMX tiles, k a multiple of 32: the panel layout [k / 2][16][2] is exactly a
+ * TDPBF16PS B operand (16 pair rows of 16 columns, 1 KB per 32 k), so each 1 KB of the stream is
+ * one tile load and one tile multiply against 16 rows of x (zero rows padding m to 16), with the
+ * same software prefetch PF_LINES lines ahead as the vector blocks. tmm0: the 16 x 16 fp32 sums,
+ * tmm1: x rows, tmm2: the panel. One thread's share of the panels; configures the tile unit on
+ * entry and releases it on exit (oneDNN configures its own). */
+static void panels_amx(const uint16_t *xpad, int64_t m, int64_t k, const uint16_t *packed,
+                       int64_t n, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t p0,
+                       int64_t p1) {
+    SkinnyTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    float c[16 * 16] __attribute__((aligned(64)));
+    for (int64_t p = p0; p < p1; p++) {
+        const uint16_t *panel = packed + p * k * PANEL;
+        const int64_t left = n - p * PANEL;
+        const int ncols = left < PANEL ? (int)left : PANEL;
+        const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
+        _tile_zero(0);
+        for (int64_t kb = 0; kb < k; kb += 32) {
+            const uint16_t *w = panel + kb * PANEL; /* 16 pair rows of 32 bf16 */
+            for (int l = 0; l < 16; l++)
+                _mm_prefetch((const char *)(w + (PF_LINES + l) * 2 * PANEL), _MM_HINT_T1);
+            _tile_loadd(1, xpad + kb, k * 2);
+            _tile_loadd(2, w, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c, 64);
+        const __m512 b = bias ? bf16_to_f32(cols, bias + p * PANEL) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r++) {
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * r), b);
+            _mm256_mask_storeu_epi16(y + r * ldy + p * PANEL, cols,
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+    _tile_release();
+}
+
+/* pd_skinny_gemm_bf16 on AMX for m <= 16 rows and k a multiple of 32: x copied into 16 zero-padded
+ * rows, the panels split over num_threads threads. Returns 0, -1 when the copy of x cannot be
+ * allocated. */
+static int skinny_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                           int64_t ldy, int num_threads) {
+    uint16_t *xpad = aligned_alloc(64, (size_t)(16 * k * 2 + 64) / 64 * 64);
+    if (!xpad) return -1;
+    memset(xpad, 0, (size_t)(16 * k * 2));
+    for (int64_t r = 0; r < m; r++) memcpy(xpad + r * k, x + r * ldx, (size_t)k * 2);
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    (void)num_threads;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        if (p0 < p1) panels_amx(xpad, m, k, packed, n, bias, y, ldy, p0, p1);
+    }
+    free(xpad);
+    return 0;
+}
+#else
+#define SKINNY_HAVE_AMX 0
+#endif
+
+/* Whether pd_skinny_gemm_bf16 may run on AMX tiles (1, the default) or not (0); returns whether
+ * it will: 0 where the build (no AMX at -march=native) or the OS (no tile data) rules it out. */
+int pd_skinny_set_amx(int on) {
+#if SKINNY_HAVE_AMX
+    skinny_amx_enabled = on != 0;
+    return skinny_amx_enabled && skinny_amx_permitted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* The bf16 twin of pd_skinny_gemm_f32: x, packed, bias and y hold bf16 (as uint16_t); k even,
  * packed as described at the top. Returns 0, or -1 where the kernel is not built (no
  * AVX512_BF16) or k is odd. */
@@ -225,6 +343,11 @@ int pd_skinny_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                         int64_t ldy, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if (k % 2) return -1;
+#if SKINNY_HAVE_AMX
+    if (m >= SKINNY_AMX_MIN_ROWS && m <= 16 && k % 32 == 0 && skinny_amx_enabled &&
+        skinny_amx_permitted())
+        return skinny_bf16_amx(x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+#endif
     return run_panels(BF16_BLOCKS, sizeof(uint16_t), x, m, k, ldx, packed, n, bias, y, ldy,
                       num_threads);
 #else
