@@ -1068,42 +1068,14 @@ static void prefill_item_dp(const Cache *c, int G, int D, const int32_t *table, 
 
 #if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PD_HAVE_AMX 1
-#include <sys/syscall.h>
+#include "../../cpu_kernels/amx_tiles.h"
 typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
-#include <unistd.h>
 
 #define AKT 64 /* keys per tile of prefill_item_amx */
 #define AMX_MIN_ROWS 8 /* query rows from which a span takes prefill_item_amx */
 
 /* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
 static int pd_prefill_amx_enabled = 1;
-
-/* Whether this process may use AMX tile data: Linux grants it on request (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, numbers from the kernel's uapi headers); asked once,
- * 1 when granted. */
-static int amx_permitted(void) {
-    static int state = -1; /* a benign race: every thread asks the same and stores the same */
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return state;
-}
-
-/* AMX tile configuration (palette 1): every tile used here is 16 rows of 64 bytes */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) TileConfig;
-
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* One span's K and V of one KV head, laid out for the tile loads of prefill_item_amx: kc [n][D]
  * (rows of keys 0 .. n-1 gathered from the pages) and vt [D][n] (V transposed), n the span's
@@ -1168,7 +1140,7 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
     const int64_t last = first + t0 + nr - 1; /* the item's last position: keys 0 .. last */
-    amx_configure();
+    amx_configure_16x64(8);
     for (int64_t j0 = 0; j0 <= last; j0 += AKT) {
         for (int rb = 0; rb < nrb; rb++) {
             const int hi = rb * 16 + 15 < nq - 1 ? rb * 16 + 15 : nq - 1;

@@ -231,25 +231,11 @@ BLOCKS(BF16_BLOCKS, panel_block_bf16_n)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SKINNY_HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../../cpu_kernels/amx_tiles.h"
 
 /* 0 turns the AMX path off (pd_skinny_set_amx) */
 static int skinny_amx_enabled = 1;
 
-/* Whether this process may use AMX tile data (Linux: arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
- * XFEATURE_XTILEDATA = 18, from the kernel's uapi headers); asked once. */
-static int skinny_amx_permitted(void) {
-    static int state = -1; /* a benign race: every thread asks the same and stores the same */
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) SkinnyTileConfig;
 
 /* The bf16 panels on AMX tiles, k a multiple of 32: the panel layout [k / 2][16][2] is exactly a
  * TDPBF16PS B operand (16 pair rows of 16 columns, 1 KB per 32 k), so each 1 KB of the stream is
@@ -260,14 +246,7 @@ typedef struct {
 static void panels_amx(const uint16_t *xpad, int64_t m, int64_t k, const uint16_t *packed,
                        int64_t n, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t p0,
                        int64_t p1) {
-    SkinnyTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 3; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure_16x64(3);
     float c[16 * 16] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; p++) {
         const uint16_t *panel = packed + p * k * PANEL;
@@ -328,7 +307,7 @@ static int skinny_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
 int pd_skinny_set_amx(int on) {
 #if SKINNY_HAVE_AMX
     skinny_amx_enabled = on != 0;
-    return skinny_amx_enabled && skinny_amx_permitted();
+    return skinny_amx_enabled && amx_permitted();
 #else
     (void)on;
     return 0;
@@ -345,7 +324,7 @@ int pd_skinny_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
     if (k % 2) return -1;
 #if SKINNY_HAVE_AMX
     if (m >= SKINNY_AMX_MIN_ROWS && m <= 16 && k % 32 == 0 && skinny_amx_enabled &&
-        skinny_amx_permitted())
+        amx_permitted())
         return skinny_bf16_amx(x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
 #endif
     return run_panels(BF16_BLOCKS, sizeof(uint16_t), x, m, k, ldx, packed, n, bias, y, ldy,
