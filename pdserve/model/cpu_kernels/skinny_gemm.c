@@ -236,7 +236,6 @@ BLOCKS(BF16_BLOCKS, panel_block_bf16_n)
 /* 0 turns the AMX path off (pd_skinny_set_amx) */
 static int skinny_amx_enabled = 1;
 
-
 /* The bf16 panels on AMX tiles, k a multiple of 32: the panel layout [k / 2][16][2] is exactly a
  * TDPBF16PS B operand (16 pair rows of 16 columns, 1 KB per 32 k), so each 1 KB of the stream is
  * one tile load and one tile multiply against 16 rows of x (zero rows padding m to 16), with the
