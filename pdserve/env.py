@@ -48,6 +48,7 @@ XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CC = "CC"
 CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
 CPU_SAMPLING_KERNEL = "PDSERVE_CPU_SAMPLING_KERNEL"
+CPU_FUSED_DECODE = "PDSERVE_CPU_FUSED_DECODE"
 
 
 def _get(name: str) -> str | None:
@@ -132,6 +133,11 @@ def cpu_sampling_kernel() -> bool:
     """False when ``PDSERVE_CPU_SAMPLING_KERNEL`` is ``0``, ``false``, ``no`` or ``off``; else
     True."""
     return _flag(CPU_SAMPLING_KERNEL)
+
+
+def cpu_fused_decode() -> bool:
+    """False when ``PDSERVE_CPU_FUSED_DECODE`` is ``0``, ``false``, ``no`` or ``off``; else True."""
+    return _flag(CPU_FUSED_DECODE)
 
 
 def _flag(name: str) -> bool:

@@ -26,6 +26,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.kv_cache.pool import KVPool
 from pdserve.model.compile import compile_model
+from pdserve.model.cpu_decode import FusedDecode
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.sampling import Sampler
@@ -98,6 +99,12 @@ class ModelRunner:
         self.compile_seconds = 0.0
         if load.torch_compile and self.device.type == "cpu":
             self._compile()
+        # decode-only steps as one C call where the model fits (pdserve.model.cpu_decode)
+        self.fused_decode: FusedDecode | None = None
+        if pack_weights and self.device.type == "cpu" and skinny_linears is not False:
+            self.fused_decode, why = FusedDecode.create(self.model, self._kv_caches)
+            if why:
+                log.info("decode steps run the model's forward (no fused decode: %s)", why)
 
     def _compile(self) -> None:
         """Compile the decoder now (before the worker reports ready). A failure (no C++ compiler,
@@ -159,12 +166,13 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            meta.positions,
-            meta,
-            self._kv_caches,
-        )  # [num_tokens, hidden]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        fused = self.fused_decode
+        if fused is not None and fused.applies(meta, len(ids)):
+            hidden = fused(input_ids, meta)  # type: ignore[arg-type]
+        else:
+            hidden = self.model(input_ids, meta.positions, meta, self._kv_caches)
+        # hidden: [num_tokens, hidden]
         # the last row of every sampling sequence (plain ints: no per-step mask tensors)
         rows, end = [], 0
         for seq in batch:

@@ -182,6 +182,16 @@ def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str |
     return fn, None
 
 
+def skinny_kernel(dtype: torch.dtype) -> Callable[..., int]:
+    """The loaded C entry point for ``dtype`` weights (``pd_skinny_gemm_f32`` / ``_bf16``), for
+    code that calls it from C (:mod:`pdserve.model.cpu_decode`). Raises RuntimeError when it
+    cannot run here (:func:`skinny_reason`)."""
+    fn, why = _skinny_kernel(dtype)
+    if fn is None:
+        raise RuntimeError(f"skinny kernel unavailable: {why}")
+    return fn
+
+
 @functools.cache
 def skinny_rows(dtype: torch.dtype) -> tuple[int, int]:
     """The row counts (inclusive bounds) for which a :class:`PackedLinear` of ``dtype`` runs a

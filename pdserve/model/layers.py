@@ -127,11 +127,17 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [num_tokens] (each < ``max_positions``) -> (cos, signed sin), each
         [num_tokens, 1, head_dim] in ``dtype`` (strided views of one lookup)."""
+        rows = self.rows(positions, dtype)[:, :, None, :]  # [num_tokens, 2, 1, head_dim]
+        return rows[:, 0], rows[:, 1]
+
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """positions int64 [num_tokens] -> a new contiguous [num_tokens, 2, head_dim] tensor in
+        ``dtype``: each position's cos row and signed-sin row. Raises IndexError for a position
+        outside ``0 .. max_positions - 1``."""
         table = self._table
         if table is None or table.device != positions.device or table.dtype != dtype:
             table = self._table = self._build(positions.device, dtype)
-        rows = table.index_select(0, positions)[:, :, None, :]  # [num_tokens, 2, 1, head_dim]
-        return rows[:, 0], rows[:, 1]
+        return table.index_select(0, positions)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

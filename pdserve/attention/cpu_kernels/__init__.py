@@ -57,6 +57,17 @@ def load() -> KernelLibrary:
     return kl
 
 
+def decode_kernel() -> Callable[..., int]:
+    """The loaded ``pd_paged_decode`` entry point, for code that calls it from C
+    (:mod:`pdserve.model.cpu_decode`; arguments as :func:`paged_decode_attention` passes them).
+    Raises RuntimeError when the library is unavailable (see :func:`load`)."""
+    kl = load()
+    if kl.lib is None:
+        raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
+    fn: Callable[..., int] = kl.lib.pd_paged_decode
+    return fn
+
+
 @dataclass(frozen=True)
 class DecodeBatch:
     """The decode kernel's inputs that are the same for every layer of a step (CPU tensors).

@@ -1,0 +1,195 @@
+"""The fused CPU decode step (pdserve/model/cpu_decode.py): same logits and KV as the model's
+forward, the same greedy tokens, and it runs exactly where it should."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import TINY
+
+from decode_worker.offline import OfflineEngine
+from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.batch import ScheduledSeq
+from pdserve.engine.runner import ModelRunner
+from pdserve.model import cpu_decode
+from pdserve.model.cpu_linear import skinny_reason, skinny_rows
+from pdserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+# head_dim 32 and hidden 128 take the kernel's vector loops; TINY (head_dim 8, hidden 32) and an
+# intermediate size of 200 (not a multiple of 16) its element-by-element tails
+MID = replace(
+    TINY,
+    hidden_size=128,
+    intermediate_size=200,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_hidden_layers=3,
+)
+QWEN = replace(MID, architecture="Qwen2ForCausalLM", tie_word_embeddings=False)  # q/k/v bias
+BIASED = replace(MID, attention_bias=True)  # q/k/v and o biases
+MODELS = {"tiny": TINY, "mid": MID, "qwen2": QWEN, "llama-bias": BIASED}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _needs_kernel(dtype: torch.dtype) -> None:
+    why = skinny_reason(dtype)
+    if why:
+        pytest.skip(f"the fused decode step needs the skinny kernel: {why}")
+
+
+def _runner(model: ModelConfig, dtype: str, num_blocks: int = 64) -> ModelRunner:
+    cfg = EngineConfig(
+        load=LoadConfig(model="dummy", load_format="dummy", dtype=dtype, torch_compile=False),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+    )
+    return ModelRunner(cfg, model)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_steps_equal_the_model_forward(name: str, dtype: str) -> None:
+    _needs_kernel(getattr(torch, dtype))
+    fused, plain = _runner(MODELS[name], dtype), _runner(MODELS[name], dtype)
+    assert fused.fused_decode is not None
+    plain.fused_decode = None
+    gen = torch.Generator().manual_seed(0)
+    lens = [5, 9, 1, 13, 4]  # contexts that end inside a block and on its edge
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in lens]
+    tables = [list(range(i * 12, i * 12 + 12)) for i in range(len(lens))]
+    for r in (fused, plain):  # the prompts' prefill: the model's forward in both
+        r.compute_logits(
+            [ScheduledSeq(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
+        )
+    for step in range(7):
+        tokens = torch.randint(3, 96, (len(lens),), generator=gen).tolist()
+        # batch sizes 5, 4, ..., 1, and decodes in another order than their blocks
+        order = list(range(len(lens)))[: max(1, len(lens) - step)][::-1]
+        logits = [
+            r.compute_logits(
+                [ScheduledSeq(str(i), [tokens[i]], lens[i] + step, tables[i], True, GREEDY)
+                 for i in order]
+            ).float()
+            for r in (fused, plain)
+        ]  # fmt: skip
+        for i in range(len(lens)):
+            if i not in order:
+                lens[i] -= 1  # this one did not step: keep its next position
+        tol = 1e-5 if dtype == "float32" else 1e-2
+        torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
+    kv = [r.kv_pool.kv.float() for r in (fused, plain)]
+    torch.testing.assert_close(kv[0], kv[1], atol=1e-5 if dtype == "float32" else 1e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype"), [(TINY, "float32"), (QWEN, "float32"), (MID, "bfloat16")]
+)
+def test_greedy_tokens_equal_with_and_without_the_fused_step(
+    model: ModelConfig, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _needs_kernel(getattr(torch, dtype))
+    calls = 0
+    original = cpu_decode.FusedDecode.__call__
+
+    def counted(self: cpu_decode.FusedDecode, *args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_decode.FusedDecode, "__call__", counted)
+
+    def engine(fused: bool) -> OfflineEngine:
+        cfg = EngineConfig(
+            load=LoadConfig(model="dummy", load_format="dummy", dtype=dtype, torch_compile=False),
+            cache=CacheConfig(block_size=4, num_blocks=96),
+            # 16-token steps: prompts chunked beside other sequences' decodes, then decodes alone
+            scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
+        )
+        e = OfflineEngine(cfg, model)
+        if not fused:
+            e.runner.fused_decode = None
+        return e
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (21, 1, 9, 40, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.output_token_ids for o in engine(fused=False).generate(prompts, params)]
+    assert calls == 0
+    got = [o.output_token_ids for o in engine(fused=True).generate(prompts, params)]
+    assert got == want
+    assert calls > 5  # the decode-only steps took the fused path
+
+
+def test_applies_only_to_decode_only_steps_within_the_kernels_rows() -> None:
+    _needs_kernel(torch.float32)
+    r = _runner(TINY, "float32", num_blocks=160)
+    fused = r.fused_decode
+    assert fused is not None
+    backend = r.model.attn_backend
+
+    def meta(query_lens: list[int]) -> object:
+        n = len(query_lens)
+        return backend.build_metadata(
+            query_lens, [3] * n, [[i * 4, i * 4 + 1] for i in range(n)], 4
+        )
+
+    assert fused.applies(meta([1, 1, 1]), 3)
+    assert not fused.applies(meta([1, 2, 1]), 4)  # a prefill chunk in the step
+    assert not fused.applies(meta([2]), 2)
+    hi = skinny_rows(torch.float32)[1]
+    assert fused.applies(meta([1] * hi), hi)
+    assert not fused.applies(meta([1] * (hi + 1)), hi + 1)  # past the skinny kernel's rows
+
+
+def test_not_created_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_kernel(torch.float32)
+    plain = ModelRunner(
+        EngineConfig(
+            load=LoadConfig(model="dummy", load_format="dummy", dtype="float32",
+                            torch_compile=False, attention_backend="torch_ref"),
+            cache=CacheConfig(block_size=4, num_blocks=16),
+        ),
+        TINY,
+    )  # fmt: skip
+    assert plain.fused_decode is None  # another attention backend
+    r = _runner(TINY, "float32", num_blocks=16)
+    caches = [r.kv_pool.layer(i) for i in range(TINY.num_hidden_layers)]
+    fused, why = cpu_decode.FusedDecode.create(r.model, caches[:1])
+    assert fused is None and "KV caches" in why
+    monkeypatch.setenv("PDSERVE_CPU_FUSED_DECODE", "0")
+    fused, why = cpu_decode.FusedDecode.create(r.model, caches)
+    assert fused is None and "PDSERVE_CPU_FUSED_DECODE" in why
+    monkeypatch.delenv("PDSERVE_CPU_FUSED_DECODE")
+    no_panels = ModelRunner(
+        EngineConfig(
+            load=LoadConfig(model="dummy", load_format="dummy", dtype="float32",
+                            torch_compile=False),
+            cache=CacheConfig(block_size=4, num_blocks=16),
+        ),
+        TINY,
+        skinny_linears=False,
+    )  # fmt: skip
+    assert no_panels.fused_decode is None  # a prefill worker keeps no skinny panels
+    fused, why = cpu_decode.FusedDecode.create(no_panels.model, no_panels._kv_caches)
+    assert fused is None and "skinny panels" in why
+
+
+def test_bad_block_ids_and_positions_raise_before_the_kernel_runs() -> None:
+    _needs_kernel(torch.float32)
+    r = _runner(TINY, "float32", num_blocks=8)
+    fused = r.fused_decode
+    assert fused is not None
+    backend = r.model.attn_backend
+    ids = torch.tensor([5], dtype=torch.int64)
+    before = r.kv_pool.kv.clone()
+    meta = backend.build_metadata([1], [3], [[8]], 4)  # block 8 of a pool of 8
+    with pytest.raises(ValueError, match="block 8"):
+        fused(ids, meta)
+    far = backend.build_metadata([1], [TINY.max_position_embeddings], [[0] * 40], 4)
+    with pytest.raises(IndexError):
+        fused(ids, far)
+    assert torch.equal(r.kv_pool.kv, before)  # nothing was written
