@@ -31,14 +31,12 @@ ALWAYS_INLINE vf vselect(vu32 mask, vf a, vf b) {
     return a;
 }
 
-/* exp(x) lane by lane for x <= 0 (softmax arguments minus their max), relative error ~2e-7:
- * x = n ln2 + r with n = round(x / ln2), |r| <= ln2 / 2; exp(r) by its Taylor series to degree 7
- * (truncation error below 6e-9); 2^n put into the exponent bits. n is rounded by adding
- * 1.5 * 2^23, which leaves n in the low mantissa bits. x below -87 is clamped there
- * (exp ~ 1.6e-38: no denormals, and exp(-inf) * 0 stays 0). */
-ALWAYS_INLINE vf exp_nonpos_v(vf x) {
-    const vf lo = (vf){0} - 87.0f, shifter = (vf){0} + 12582912.0f;
-    x = vselect((vu32)(x < lo), lo, x);
+/* exp(x) lane by lane for x in [-87, 88], relative error ~2e-7: x = n ln2 + r with
+ * n = round(x / ln2), |r| <= ln2 / 2; exp(r) by its Taylor series to degree 7 (truncation error
+ * below 6e-9); 2^n put into the exponent bits (n in [-126, 127]: a normal float, exp(88) ~ 1.7e38
+ * still finite). n is rounded by adding 1.5 * 2^23, which leaves n in the low mantissa bits. */
+ALWAYS_INLINE vf exp_range_v(vf x) {
+    const vf shifter = (vf){0} + 12582912.0f;
     const vf t = x * 1.44269504088896341f + shifter;
     const vf n = t - shifter;
     vf r = x - n * 0.693145751953125f; /* ln2 split in a short high part (n * it is exact) */
@@ -58,6 +56,21 @@ ALWAYS_INLINE vf exp_nonpos_v(vf x) {
     vf two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* exp(x) lane by lane for x <= 0 (softmax arguments minus their max): exp_range_v with x below
+ * -87 clamped there (exp ~ 1.6e-38: no denormals, and exp(-inf) * 0 stays 0). */
+ALWAYS_INLINE vf exp_nonpos_v(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    return exp_range_v(vselect((vu32)(x < lo), lo, x));
+}
+
+/* exp(x) lane by lane for any x: exp_range_v with x clamped to [-87, 88] (so exp of a large x is
+ * ~1.7e38 rather than inf) */
+ALWAYS_INLINE vf exp_clamped_v(vf x) {
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
+    x = vselect((vu32)(x < lo), lo, x);
+    return exp_range_v(vselect((vu32)(x > hi), hi, x));
 }
 
 #endif

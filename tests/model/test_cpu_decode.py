@@ -42,12 +42,22 @@ def _needs_kernel(dtype: torch.dtype) -> None:
         pytest.skip(f"the fused decode step needs the skinny kernel: {why}")
 
 
-def _runner(model: ModelConfig, dtype: str, num_blocks: int = 64) -> ModelRunner:
-    cfg = EngineConfig(
-        load=LoadConfig(model="dummy", load_format="dummy", dtype=dtype, torch_compile=False),
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+def _runner(
+    model: ModelConfig,
+    dtype: str,
+    num_blocks: int = 64,
+    backend: str = "auto",
+    skinny_linears: bool | None = None,
+) -> ModelRunner:
+    load = LoadConfig(
+        model="dummy",
+        load_format="dummy",
+        dtype=dtype,
+        torch_compile=False,
+        attention_backend=backend,
     )
-    return ModelRunner(cfg, model)
+    cfg = EngineConfig(load=load, cache=CacheConfig(block_size=4, num_blocks=num_blocks))
+    return ModelRunner(cfg, model, skinny_linears=skinny_linears)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -124,11 +134,16 @@ def test_greedy_tokens_equal_with_and_without_the_fused_step(
     assert calls > 5  # the decode-only steps took the fused path
 
 
-def test_applies_only_to_decode_only_steps_within_the_kernels_rows() -> None:
+def _tiny_fused(num_blocks: int) -> tuple[ModelRunner, cpu_decode.FusedDecode]:
+    """An fp32 TINY runner and its fused step."""
     _needs_kernel(torch.float32)
-    r = _runner(TINY, "float32", num_blocks=160)
-    fused = r.fused_decode
-    assert fused is not None
+    r = _runner(TINY, "float32", num_blocks=num_blocks)
+    assert r.fused_decode is not None
+    return r, r.fused_decode
+
+
+def test_applies_only_to_decode_only_steps_within_the_kernels_rows() -> None:
+    r, fused = _tiny_fused(num_blocks=160)
     backend = r.model.attn_backend
 
     def meta(query_lens: list[int]) -> object:
@@ -147,14 +162,7 @@ def test_applies_only_to_decode_only_steps_within_the_kernels_rows() -> None:
 
 def test_not_created_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_kernel(torch.float32)
-    plain = ModelRunner(
-        EngineConfig(
-            load=LoadConfig(model="dummy", load_format="dummy", dtype="float32",
-                            torch_compile=False, attention_backend="torch_ref"),
-            cache=CacheConfig(block_size=4, num_blocks=16),
-        ),
-        TINY,
-    )  # fmt: skip
+    plain = _runner(TINY, "float32", num_blocks=16, backend="torch_ref")
     assert plain.fused_decode is None  # another attention backend
     r = _runner(TINY, "float32", num_blocks=16)
     caches = [r.kv_pool.layer(i) for i in range(TINY.num_hidden_layers)]
@@ -164,25 +172,14 @@ def test_not_created_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     fused, why = cpu_decode.FusedDecode.create(r.model, caches)
     assert fused is None and "PDSERVE_CPU_FUSED_DECODE" in why
     monkeypatch.delenv("PDSERVE_CPU_FUSED_DECODE")
-    no_panels = ModelRunner(
-        EngineConfig(
-            load=LoadConfig(model="dummy", load_format="dummy", dtype="float32",
-                            torch_compile=False),
-            cache=CacheConfig(block_size=4, num_blocks=16),
-        ),
-        TINY,
-        skinny_linears=False,
-    )  # fmt: skip
+    no_panels = _runner(TINY, "float32", num_blocks=16, skinny_linears=False)
     assert no_panels.fused_decode is None  # a prefill worker keeps no skinny panels
     fused, why = cpu_decode.FusedDecode.create(no_panels.model, no_panels._kv_caches)
     assert fused is None and "skinny panels" in why
 
 
 def test_bad_block_ids_and_positions_raise_before_the_kernel_runs() -> None:
-    _needs_kernel(torch.float32)
-    r = _runner(TINY, "float32", num_blocks=8)
-    fused = r.fused_decode
-    assert fused is not None
+    r, fused = _tiny_fused(num_blocks=8)
     backend = r.model.attn_backend
     ids = torch.tensor([5], dtype=torch.int64)
     before = r.kv_pool.kv.clone()

@@ -110,33 +110,6 @@ ALWAYS_INLINE void store_v(void *p, int64_t i, vf x, int dt) {
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
-/* exp(x) lane by lane for any x: exp_nonpos_v's reduction and polynomial, x clamped to
- * [-87, 88] (exp(88) ~ 1.7e38, still finite) */
-ALWAYS_INLINE vf exp_v(vf x) {
-    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, shifter = (vf){0} + 12582912.0f;
-    x = vselect((vu32)(x < lo), lo, x);
-    x = vselect((vu32)(x > hi), hi, x);
-    const vf t = x * 1.44269504088896341f + shifter;
-    const vf n = t - shifter;
-    vf r = x - n * 0.693145751953125f;
-    r = r - n * 1.42860682030941723e-6f;
-    vf p = (vf){0} + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    vu32 bits, sb;
-    memcpy(&sb, &shifter, sizeof sb);
-    memcpy(&bits, &t, sizeof bits);
-    bits = (bits - sb + 127u) << 23;
-    vf two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* one element: the scalar twins of load_v, round_v and store_v, for the tails of the loops */
 static inline float load1(const void *p, int64_t i, int dt) {
     if (dt == DL_F32) return ((const float *)p)[i];
@@ -233,7 +206,7 @@ static void silu_mul(const void *gu, void *out, int64_t rows, int I, int dt) {
     for (int64_t r = 0; r < rows; r++) {
         for (int i = 0; i < iv; i += VW) {
             const vf g = load_v(gu, r * 2 * I + i, dt);
-            const vf a = round_v(g / (1.0f + exp_v(-g)), dt);
+            const vf a = round_v(g / (1.0f + exp_clamped_v(-g)), dt);
             store_v(out, r * I + i, a * load_v(gu, r * 2 * I + I + i, dt), dt);
         }
         for (int i = iv; i < I; i++) {
