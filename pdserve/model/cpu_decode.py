@@ -217,7 +217,8 @@ class FusedDecode:
             decode_splits(b, d.max_seq_len, attend_threads), attend_threads, threads,
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError(f"fused decode step failed ({rc}): out of scratch memory")
+            what = "its scratch" if rc == -1 else "a kernel's scratch (GEMM or attention)"
+            raise MemoryError(f"fused decode step failed ({rc}): could not allocate {what}")
         return x
 
 
@@ -234,6 +235,9 @@ def _unfit(model: torch.nn.Module, kv_caches: Sequence[tuple[torch.Tensor, torch
     if len(kv_caches) != len(layers) or not layers:
         return f"{len(kv_caches)} KV caches for {len(layers)} layers"
     first = kv_caches[0][0]
+    cfg = model.config
+    if first.dim() != 4 or tuple(first.shape[2:]) != (cfg.num_key_value_heads, cfg.head_dim):
+        return f"KV cache shape {tuple(first.shape)} does not fit the model's KV heads"
     eps = None
     for i, layer in enumerate(layers):
         dl = cast(DecoderLayer, layer)
@@ -254,6 +258,11 @@ def _unfit(model: torch.nn.Module, kv_caches: Sequence[tuple[torch.Tensor, torch
         norm1, norm2, qkv, o, gate_up, down = _parts(layer)
         if gate_up.bias is not None or down.bias is not None:
             return f"layer {i}'s MLP has biases"
+        q_n, kv_n = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        want = {qkv: (q_n + 2 * kv_n, h), o: (h, q_n), gate_up: (2 * inter, h), down: (h, inter)}
+        if any((m.out_features, m.in_features) != shape for m, shape in want.items()):
+            return f"layer {i}'s linear shapes do not fit the model config"
         tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
         tensors += [m.bias for m in (qkv, o) if m.bias is not None]
         if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
@@ -270,6 +279,11 @@ def _unfit(model: torch.nn.Module, kv_caches: Sequence[tuple[torch.Tensor, torch
             ):
                 return f"layer {i}'s KV cache is not a {dtype} pool like layer 0's"
     norm = cast(RMSNorm, model.model.norm)
-    if type(norm) is not RMSNorm or norm.weight.dtype != dtype or norm.eps != eps:
+    if (
+        type(norm) is not RMSNorm
+        or norm.weight.dtype != dtype
+        or not norm.weight.is_contiguous()
+        or norm.eps != eps
+    ):
         return "the final norm's dtype or eps differs from the layers'"
     return ""

@@ -243,8 +243,9 @@ static void write_kv(const DlModel *m, const DlLayer *L, const char *k, int64_t 
  * num_splits, attend_threads: the decode kernel's split-K and threads; threads: the GEMMs'.
  *
  * Returns 0; -1 when scratch memory cannot be allocated; -2 when a kernel fails (the skinny GEMM's
- * or the attention's scratch). x is then partly updated and the caches may hold some layers'
- * new K/V: the caller recomputes the step, which rewrites both.
+ * or the attention's scratch allocation). x is then partly updated and the caches may hold some
+ * layers' new K/V for these slots: nothing reads them before a step that computes these tokens
+ * again rewrites them.
  */
 int pd_decode_layers(const DlModel *m, void *x, int64_t B, const void *rope, const int64_t *slots,
                      const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
@@ -254,9 +255,9 @@ int pd_decode_layers(const DlModel *m, void *x, int64_t B, const void *rope, con
     const int64_t q_n = (int64_t)m->heads * D, kv_n = (int64_t)m->kv_heads * D;
     const int64_t qkv_n = q_n + 2 * kv_n;
     /* scratch: xn [B, max(H, I)], qkv [B, qkv_n], qr [B, q_n], kr [B, kv_n], att [B, q_n],
-     * gu [B, 2 I]; each 64-byte aligned */
-    const int64_t wide = H > I ? H : I;
-    const int64_t sizes[6] = {B * wide, B * qkv_n, B * q_n, B * kv_n, B * q_n, B * 2 * I};
+     * gu [B, max(2 I, H)] (gate|up, then the down projection's output); each 64-byte aligned */
+    const int64_t wide = H > I ? H : I, gu_n = 2 * (int64_t)I > H ? 2 * (int64_t)I : H;
+    const int64_t sizes[6] = {B * wide, B * qkv_n, B * q_n, B * kv_n, B * q_n, B * gu_n};
     int64_t total = 0, offs[6];
     for (int i = 0; i < 6; i++) {
         offs[i] = total;
