@@ -169,7 +169,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         fused = self.fused_decode
         if fused is not None and fused.applies(meta, len(ids)):
-            hidden = fused(input_ids, meta)  # type: ignore[arg-type]
+            hidden = fused(input_ids, meta)
         else:
             hidden = self.model(input_ids, meta.positions, meta, self._kv_caches)
         # hidden: [num_tokens, hidden]

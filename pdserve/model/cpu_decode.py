@@ -191,22 +191,27 @@ class FusedDecode:
         lo, hi = self.rows
         return d.rows is None and d.num_decodes == num_tokens and lo <= num_tokens <= hi
 
-    def __call__(self, input_ids: torch.Tensor, meta: CpuPagedMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids int64 [B] (one token per decode, in the order of ``meta``; a step
         :meth:`applies` to) -> the final-norm hidden states [B, hidden] in the model dtype, each
-        layer's new K/V written into its cache at ``meta.slot_mapping``. Raises ValueError for
-        a block id past the pool, IndexError for a token id or position outside the embedding
-        or RoPE table, MemoryError when the kernel's scratch memory cannot be allocated."""
+        layer's new K/V written into its cache at ``meta.slot_mapping``. Raises TypeError for
+        metadata of another backend, ValueError for a block id past the pool, IndexError for a
+        token id or position outside the embedding or RoPE table, MemoryError when the kernel's
+        scratch memory cannot be allocated."""
+        if not isinstance(meta, CpuPagedMetadata):
+            raise TypeError(f"fused decode needs cpu_paged metadata, got {type(meta).__name__}")
         d = meta.decode
         if d.max_block_id >= self.num_blocks or d.block_size != self.block_size:
             raise ValueError(
                 f"decode batch reads block {d.max_block_id} of blocks of {d.block_size}; the "
                 f"pool has {self.num_blocks} blocks of {self.block_size}"
             )
+        b = int(input_ids.shape[0])
+        if d.rows is not None or d.num_decodes != b or meta.slot_mapping.shape != (b,):
+            raise ValueError(f"fused decode: {b} token ids for a step that is not {b} decodes")
         slots = meta.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             slots = slots.to(torch.int64).contiguous()
-        b = int(input_ids.shape[0])
         x = self.model.model.embed_tokens(input_ids).contiguous()
         rope = self.model.rotary_emb.rows(meta.positions, self.dtype)
         threads = torch.get_num_threads()

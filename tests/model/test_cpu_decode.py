@@ -252,6 +252,9 @@ def test_bad_block_ids_and_positions_raise_before_the_kernel_runs() -> None:
     meta = backend.build_metadata([1], [3], [[8]], 4)  # block 8 of a pool of 8
     with pytest.raises(ValueError, match="block 8"):
         fused(ids, meta)
+    two = backend.build_metadata([1, 1], [3, 3], [[0], [1]], 4)
+    with pytest.raises(ValueError, match="not 1 decodes"):
+        fused(ids, two)  # one token id for a step of two decodes
     far = backend.build_metadata([1], [TINY.max_position_embeddings], [[0] * 40], 4)
     with pytest.raises(IndexError):
         fused(ids, far)
