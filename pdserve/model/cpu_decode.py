@@ -138,7 +138,7 @@ class FusedDecode:
         dtype = model.model.embed_tokens.weight.dtype
         self.model = model
         self.dtype = dtype
-        self.kv_caches = list(kv_caches)
+        self.kv_caches = list(kv_caches)  # the C step holds their pointers: keep them alive
         self.num_blocks = int(kv_caches[0][0].shape[0])
         self.block_size = int(kv_caches[0][0].shape[1])
         self.kv_heads = cfg.num_key_value_heads
@@ -153,14 +153,12 @@ class FusedDecode:
                 _panels(qkv), _ptr(qkv.bias), _panels(o), _ptr(o.bias),
                 _panels(gate_up), _panels(down), k_cache.data_ptr(), v_cache.data_ptr(),
             )  # fmt: skip
-        first = cast(DecoderLayer, model.model.layers[0])
-        linear = skinny_kernel(dtype)
-        attend = decode_kernel()
+        scale = cast(Attention, cast(DecoderLayer, model.model.layers[0]).self_attn).scale
         self._model = _Model(
             _DTYPES[dtype], cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, self.block_size, len(layers),
-            int(kv_caches[0][0].stride(0)), float(layers[0][0].eps),
-            float(cast(Attention, first.self_attn).scale), _addr(linear), _addr(attend), self._layers,
+            int(kv_caches[0][0].stride(0)), float(layers[0][0].eps), float(scale),
+            _addr(skinny_kernel(dtype)), _addr(decode_kernel()), self._layers,
             model.model.norm.weight.data_ptr(),
         )  # fmt: skip
 

@@ -50,7 +50,7 @@ typedef int (*attend_fn)(const void *q, int64_t q_tok_stride, int64_t q_head_str
 /* One decoder layer's weights and KV caches (pointers into tensors the caller keeps alive). */
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] */
-    const void *qkv, *qkv_bias;         /* panels of [(heads + 2 kv_heads) D, hidden]; bias or NULL */
+    const void *qkv, *qkv_bias;         /* panels of [(heads + 2 kv_heads) D, hidden]; bias/NULL */
     const void *o, *o_bias;             /* panels of [hidden, heads D]; bias or NULL */
     const void *gate_up, *down;         /* panels of [2 I, hidden], [hidden, I] */
     void *k_cache, *v_cache;            /* [num_blocks, block_size, kv_heads, D] */
@@ -173,7 +173,8 @@ static void add_rows(void *x, const void *f, int64_t rows, int n, int dt) {
     for (int64_t i = nv; i < all; i++) store1(x, i, load1(x, i, dt) + load1(f, i, dt), dt);
 }
 
-/* RoPE in the rotate-half layout of pdserve/model/layers.py: heads of D (even) at src (rows src_ld elements apart) rotated into dst (rows dst_ld apart), row r by
+/* RoPE in the rotate-half layout of pdserve/model/layers.py: heads of D (even) at src (rows
+ * src_ld elements apart) rotated into dst (rows dst_ld apart), row r by
  * rope[r] = [cos (D) | signed sin (D)] */
 static void rotate(const void *src, int64_t src_ld, void *dst, int64_t dst_ld, const void *rope,
                    int64_t rows, int heads, int D, int dt) {
