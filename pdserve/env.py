@@ -49,6 +49,7 @@ CC = "CC"
 CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
 CPU_SAMPLING_KERNEL = "PDSERVE_CPU_SAMPLING_KERNEL"
 CPU_FUSED_DECODE = "PDSERVE_CPU_FUSED_DECODE"
+CPU_DECODE_HELPER = "PDSERVE_CPU_DECODE_HELPER"
 
 
 def _get(name: str) -> str | None:
@@ -138,6 +139,13 @@ def cpu_sampling_kernel() -> bool:
 def cpu_fused_decode() -> bool:
     """False when ``PDSERVE_CPU_FUSED_DECODE`` is ``0``, ``false``, ``no`` or ``off``; else True."""
     return _flag(CPU_FUSED_DECODE)
+
+
+def cpu_decode_helper() -> bool:
+    """False when ``PDSERVE_CPU_DECODE_HELPER`` is ``0``, ``false``, ``no`` or ``off``; else True
+    (the fused decode step shares its matmuls and attention with an idle-priority helper thread:
+    :mod:`pdserve.model.cpu_decode`)."""
+    return _flag(CPU_DECODE_HELPER)
 
 
 def _flag(name: str) -> bool:

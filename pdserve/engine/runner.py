@@ -168,8 +168,9 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         fused = self.fused_decode
+        logits: torch.Tensor | None = None
         if fused is not None and fused.applies(meta, len(ids)):
-            hidden = fused(input_ids, meta)
+            hidden, logits = fused(input_ids, meta)
         else:
             hidden = self.model(input_ids, meta.positions, meta, self._kv_caches)
         # hidden: [num_tokens, hidden]
@@ -181,9 +182,12 @@ class ModelRunner:
                 rows.append(end - 1)
         if len(rows) < len(ids):  # else every row samples (a decode-only step): no gather
             hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+            logits = None
         else:
             hidden_rows = hidden
-        return self.model.compute_logits(hidden_rows), hidden, meta.query_start_loc
+        if logits is None:
+            logits = self.model.compute_logits(hidden_rows)
+        return logits, hidden, meta.query_start_loc
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken | None]:
         """One step: forward, KV written by slot mapping, then sampling. Returns one entry per

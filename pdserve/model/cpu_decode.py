@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
@@ -34,7 +36,7 @@ from pdserve.attention.cpu_build import load_library
 from pdserve.attention.cpu_kernels import decode_kernel
 from pdserve.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata, kernel_threads
 from pdserve.attention.cpu_paged import num_splits as decode_splits
-from pdserve.model.cpu_linear import PackedLinear, skinny_kernel, skinny_rows
+from pdserve.model.cpu_linear import PackedLinear, skinny_kernel, skinny_rows, skinny_split
 from pdserve.model.layers import Attention, GatedMLP, RMSNorm
 from pdserve.model.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -72,15 +74,20 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("linear", _P),
+        ("prepare", _P),
+        ("panels", _P),
+        ("prep_bytes", _P),
         ("attend", _P),
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _P),
+        ("lm_head", _P),
+        ("vocab", ctypes.c_int),
     ]
 
 
 _ARGTYPES = [
-    ctypes.POINTER(_Model), _P, ctypes.c_int64, _P, _P,  # model, x, B, rope, slots
-    _P, ctypes.c_int64, _P,  # tables, table stride, seq_lens
+    _P, _P, ctypes.c_int64, _P, _P,  # context, x, B, rope, slots
+    _P, ctypes.c_int64, _P, _P,  # tables, table stride, seq_lens, logits
     ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_splits, attention threads, GEMM threads
 ]  # fmt: skip
 
@@ -89,10 +96,32 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     kl = load_library(SOURCE)
     if kl.lib is None:
         return None, kl.reason
-    fn = kl.lib.pd_decode_layers
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return kl.lib, None
+    lib = kl.lib
+    if lib.pd_decode_layers.argtypes is None:
+        lib.pd_decode_layers.argtypes, lib.pd_decode_layers.restype = _ARGTYPES, ctypes.c_int
+        lib.pd_decode_ctx_new.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int]
+        lib.pd_decode_ctx_new.restype = _P
+        lib.pd_decode_ctx_free.argtypes, lib.pd_decode_ctx_free.restype = [_P], None
+        lib.pd_decode_helper_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 2
+        lib.pd_decode_helper_stats.restype = None
+    return lib, None
+
+
+def helper_stats() -> tuple[int, int]:
+    """The idle-core helper's counters in this process: (chunks it computed, chunks it had claimed
+    that the step took back because it was late). (0, 0) where the library cannot be built."""
+    lib, _ = _library()
+    if lib is None:
+        return 0, 0
+    done, back = ctypes.c_uint64(), ctypes.c_uint64()
+    lib.pd_decode_helper_stats(ctypes.byref(done), ctypes.byref(back))
+    return done.value, back.value
+
+
+def helper_applies() -> bool:
+    """Whether steps may share their work with the idle-core helper here: on unless
+    ``PDSERVE_CPU_DECODE_HELPER=0``, and this process may run on more than one CPU."""
+    return env.cpu_decode_helper() and len(os.sched_getaffinity(0)) > 1
 
 
 def _addr(fn: Callable[..., int]) -> int:
@@ -154,13 +183,28 @@ class FusedDecode:
                 _panels(gate_up), _panels(down), k_cache.data_ptr(), v_cache.data_ptr(),
             )  # fmt: skip
         scale = cast(Attention, cast(DecoderLayer, model.model.layers[0]).self_attn).scale
+        prepare, panels, prep_bytes = skinny_split()
+        lm_head = _fusable_lm_head(model)
+        # the logits come out of the C step too where the LM head is packed like the layers
+        self.vocab = cfg.vocab_size if lm_head is not None else 0
         self._model = _Model(
             _DTYPES[dtype], cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, self.block_size, len(layers),
             int(kv_caches[0][0].stride(0)), float(layers[0][0].eps), float(scale),
-            _addr(skinny_kernel(dtype)), _addr(decode_kernel()), self._layers,
-            model.model.norm.weight.data_ptr(),
+            _addr(skinny_kernel(dtype)), _addr(prepare), _addr(panels), _addr(prep_bytes),
+            _addr(decode_kernel()), self._layers, model.model.norm.weight.data_ptr(),
+            None if lm_head is None else _panels(lm_head), self.vocab,
         )  # fmt: skip
+        self.helper = helper_applies()
+        ctx = lib.pd_decode_ctx_new(ctypes.byref(self._model), self.rows[1], int(self.helper))
+        if not ctx:
+            raise MemoryError("fused decode: could not allocate the step's context")
+        self._ctx = int(ctx)
+        # Free the context when this object goes, holding until then what the helper thread may
+        # still read (the model struct, the weights, the caches): pd_decode_ctx_free first waits
+        # for the helper to leave every op of this context.
+        keep = (self._model, self._layers, model, self.kv_caches)
+        self._finalizer = weakref.finalize(self, _free_context, lib, self._ctx, keep)
 
     @classmethod
     def create(
@@ -189,10 +233,13 @@ class FusedDecode:
         lo, hi = self.rows
         return d.rows is None and d.num_decodes == num_tokens and lo <= num_tokens <= hi
 
-    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids int64 [B] (one token per decode, in the order of ``meta``; a step
-        :meth:`applies` to) -> the final-norm hidden states [B, hidden] in the model dtype, each
-        layer's new K/V written into its cache at ``meta.slot_mapping``. Raises TypeError for
+        :meth:`applies` to) -> (the final-norm hidden states [B, hidden], the logits [B, vocab]
+        or None where the LM head is not fused), both in the model dtype; each layer's new K/V
+        is written into its cache at ``meta.slot_mapping``. Raises TypeError for
         metadata of another backend, ValueError for a block id past the pool, IndexError for a
         token id or position outside the embedding or RoPE table, MemoryError when the kernel's
         scratch memory cannot be allocated."""
@@ -214,15 +261,37 @@ class FusedDecode:
         rope = self.model.rotary_emb.rows(meta.positions, self.dtype)
         threads = torch.get_num_threads()
         attend_threads = kernel_threads(b, self.kv_heads, d.max_seq_len)
+        logits = torch.empty(b, self.vocab, dtype=self.dtype) if self.vocab else None
         rc = self._fn(
-            ctypes.byref(self._model), x.data_ptr(), b, rope.data_ptr(), slots.data_ptr(),
+            self._ctx, x.data_ptr(), b, rope.data_ptr(), slots.data_ptr(),
             d.block_tables.data_ptr(), d.block_tables.shape[1], d.seq_lens.data_ptr(),
+            None if logits is None else logits.data_ptr(),
             decode_splits(b, d.max_seq_len, attend_threads), attend_threads, threads,
         )  # fmt: skip
         if rc != 0:
             what = "its scratch" if rc == -1 else "a kernel's scratch (GEMM or attention)"
             raise MemoryError(f"fused decode step failed ({rc}): could not allocate {what}")
-        return x
+        return x, logits
+
+
+def _free_context(lib: ctypes.CDLL, ctx: int, keep: object) -> None:
+    """weakref.finalize's callback: ``keep`` (what the helper may still read) outlives the free."""
+    lib.pd_decode_ctx_free(ctx)
+    del keep
+
+
+def _fusable_lm_head(model: LlamaForCausalLM) -> PackedLinear | None:
+    """The model's LM head when the C step can run it (packed with skinny panels, no bias, the
+    config's shape), else None."""
+    head, cfg = model.lm_head, model.config
+    if (
+        isinstance(head, PackedLinear)
+        and head.skinny_weight is not None
+        and head.bias is None
+        and (head.out_features, head.in_features) == (cfg.vocab_size, cfg.hidden_size)
+    ):
+        return head
+    return None
 
 
 def _unfit(model: torch.nn.Module, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> str:

@@ -219,6 +219,19 @@ def skinny_amx() -> bool:
     return bool(fn(1))
 
 
+@functools.cache
+def skinny_split() -> tuple[Callable[..., int], Callable[..., int], Callable[..., int]]:
+    """The kernel's GEMM in two halves, for C code that shares one GEMM between threads
+    (:mod:`pdserve.model.cpu_decode`): the loaded ``pd_skinny_prepare`` (x copied once),
+    ``pd_skinny_panels`` (any range of 16-column panels from that copy) and
+    ``pd_skinny_prep_bytes`` (the copy's size). Raises RuntimeError when the library cannot be
+    built here."""
+    kl = load_library(SKINNY_SOURCE)
+    if kl.lib is None:
+        raise RuntimeError(f"skinny kernel unavailable: {kl.reason}")
+    return kl.lib.pd_skinny_prepare, kl.lib.pd_skinny_panels, kl.lib.pd_skinny_prep_bytes
+
+
 def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:
     """Why the skinny kernel cannot run here for ``dtype`` weights (one line), or None when it
     can. Turned off by ``PDSERVE_CPU_SKINNY_GEMM=0`` (:func:`pdserve.env.cpu_skinny_gemm`)."""

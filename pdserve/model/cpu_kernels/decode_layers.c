@@ -25,9 +25,25 @@
  * and fp32 has no roundings at all. Sums run in another order than torch's (the RMSNorm mean),
  * so results match eager's to fp32 rounding, or in bf16 to an occasional one-step difference.
  */
+#define _GNU_SOURCE /* SCHED_IDLE */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 #include "../../cpu_kernels/vec_math.h"
 
@@ -38,6 +54,14 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 /* the skinny GEMM (pd_skinny_gemm_f32 / _bf16): y[m, n] = x[m, k] @ W^T + bias */
 typedef int (*linear_fn)(const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
                          int64_t n, const void *bias, void *y, int64_t ldy, int num_threads);
+/* the same GEMM in two halves (pd_skinny_prepare, pd_skinny_panels): x copied once, then any
+ * caller computes any range of 16-column panels from the copy */
+typedef int (*prepare_fn)(int dtype, const void *x, int64_t m, int64_t k, int64_t ldx,
+                          void *prep);
+typedef int (*panels_fn)(int dtype, int path, const void *prep, int64_t m, int64_t k,
+                         const void *packed, int64_t n, const void *bias, void *y, int64_t ldy,
+                         int64_t p0, int64_t p1);
+typedef int64_t (*prep_bytes_fn)(int64_t m, int64_t k);
 /* the paged decode attention (pd_paged_decode) */
 typedef int (*attend_fn)(const void *q, int64_t q_tok_stride, int64_t q_head_stride, int q_dtype,
                          const void *k, const void *v, int64_t blk_stride, int kv_dtype,
@@ -63,9 +87,14 @@ typedef struct {
     int64_t blk_stride; /* elements from one cache block to the next */
     float eps, scale;
     linear_fn linear;
+    prepare_fn prepare;
+    panels_fn panels;
+    prep_bytes_fn prep_bytes;
     attend_fn attend;
     const DlLayer *layers;
     const void *final_norm; /* [hidden] */
+    const void *lm_head;    /* panels of [vocab, hidden], or NULL (the caller computes logits) */
+    int vocab;
 } DlModel;
 
 /* ---- element access: fp32 lanes from either dtype, and back with bf16 rounding ------------ */
@@ -231,72 +260,486 @@ static void write_kv(const DlModel *m, const DlLayer *L, const char *k, int64_t 
     }
 }
 
+/* ---- the idle-core helper -------------------------------------------------------------------
+ *
+ * A decode step of a small model streams its weights and KV once per step, at the rate one core
+ * pulls from memory (~14 GB/s on the AMX Xeon of docs/benchmarks.md); two cores pull twice that
+ * (two decode processes at once each ran within 7% of one alone, session 18). A served worker's
+ * step runs on one thread, while the machine's other CPUs run the prefill worker, the router and
+ * the clients, idle for part of every second (~0.56 of the second CPU during the main workload,
+ * session 18). So the step hands each matmul's 16-column panel ranges and the attention's
+ * sequences out as chunks that the step's own thread and one helper thread claim in turn (a
+ * shared counter), the helper at SCHED_IDLE priority: Linux runs it only on a CPU that nothing
+ * else wants, and preempts it the moment something does.
+ *
+ * The step never waits on the helper beyond a chunk's time. The helper computes a chunk into a
+ * private mirror of the output and publishes it done; the step copies done chunks over, and
+ * takes back (recomputes itself) any chunk the helper claimed but has not finished within about
+ * twice the time the step's own chunks took. Each chunk's state carries the op's sequence number,
+ * so a helper that was preempted in an older op can neither claim nor publish into a newer one;
+ * everything it may still read or write (the operand copies, queries, block tables and the mirror)
+ * lives in the context (DlContext) for the context's whole life, and freeing a context waits until
+ * the helper has left every op of it. This is work sharing with takeover, the "work-first"
+ * discipline of Cilk (Frigo, Leiserson, Randall, PLDI 1998) turned so the owner never blocks on
+ * the thief. */
+
+enum { JOB_LINEAR = 1, JOB_ATTEND = 2 };
+enum { CH_FREE = 0, CH_MAIN = 1, CH_HELPER = 2, CH_DONE = 3 }; /* low 2 bits of a chunk state */
+#define MAX_CHUNKS 1024
+#define CHUNK_BYTES (96 * 1024) /* weight bytes per matmul chunk: ~7 us at 14 GB/s */
+#define HELPER_SPIN_NS 300000   /* an idle helper spins this long before it sleeps */
+#define TAG(seq, st) ((seq) << 2 | (uint64_t)(st))
+
+/* One op split in chunks: a matmul's panel ranges or the attention's sequence ranges. */
+typedef struct {
+    int kind, nchunks, dtype, path;
+    int64_t per, es;
+    /* JOB_LINEAR: y[m, n] (row stride ldy) = prep's x @ W^T + bias, panels [c per, (c+1) per) */
+    const void *prep, *packed, *bias;
+    int64_t m, k, n, ldy;
+    /* JOB_ATTEND: decodes [c per, (c+1) per) of q [B, heads, D] -> out rows */
+    const void *q, *k_cache, *v_cache;
+    const int32_t *tables, *seq_lens;
+    int64_t table_stride;
+    const DlModel *model;
+    void *y;      /* the output (the step's thread writes here) */
+    void *mirror; /* the helper's copy of the output, same offsets */
+} Job;
+
+typedef struct {
+    pthread_mutex_t lock; /* held by the step using the helper (others run without it) */
+    int started;          /* 1: the helper runs; -1: it could not be started */
+    _Atomic uint64_t seq; /* seqlock over job: odd while the step writes it */
+    Job job;
+    _Atomic int next;     /* the next chunk to claim */
+    _Atomic uint64_t state[MAX_CHUNKS];
+    _Atomic int64_t claim_ns[MAX_CHUNKS];
+    _Atomic uint64_t in_op;   /* the seq of the op the helper is inside, 0 outside any */
+    _Atomic int active;       /* a step is running: spin, do not sleep */
+    _Atomic uint32_t wake;    /* futex word, bumped when a step starts */
+    _Atomic uint64_t chunks_helper, chunks_taken_back; /* counters (pd_decode_helper_stats) */
+} Pool;
+
+static Pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static pthread_mutex_t pool_start_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void helper_sleep(uint32_t seen) {
+#if defined(__linux__)
+    const struct timespec limit = {0, 50000000}; /* re-check now and then regardless */
+    syscall(SYS_futex, &pool.wake, FUTEX_WAIT_PRIVATE, seen, &limit, NULL, 0);
+#else
+    (void)seen;
+    const struct timespec t = {0, 200000};
+    nanosleep(&t, NULL);
+#endif
+}
+
+static void helper_wake(void) {
+    atomic_fetch_add(&pool.wake, 1);
+#if defined(__linux__)
+    syscall(SYS_futex, &pool.wake, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#endif
+}
+
+/* Chunk c of job j into dst (j->y or j->mirror). Returns 0, or a kernel's nonzero code. */
+static int run_chunk(const Job *j, int c, char *dst) {
+    const int64_t lo = c * j->per;
+    if (j->kind == JOB_LINEAR) {
+        const int64_t panels = (j->n + 15) / 16, hi = lo + j->per < panels ? lo + j->per : panels;
+        return j->model->panels(j->dtype, j->path, j->prep, j->m, j->k, j->packed, j->n, j->bias,
+                                dst, j->ldy, lo, hi);
+    }
+    const DlModel *m = j->model;
+    const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m, q_n = (int64_t)m->heads * m->head_dim;
+    return m->attend((const char *)j->q + lo * q_n * j->es, q_n, m->head_dim, j->dtype, j->k_cache,
+                     j->v_cache, m->blk_stride, j->dtype, j->tables + lo * j->table_stride,
+                     j->table_stride, j->seq_lens + lo, NULL, dst + lo * q_n * j->es, q_n,
+                     m->head_dim, (int)(hi - lo), m->heads, m->kv_heads, m->head_dim,
+                     m->block_size, m->scale, 1, 1);
+}
+
+/* Chunk c's outputs from the helper's mirror into the output. */
+static void copy_chunk(const Job *j, int c) {
+    const int64_t lo = c * j->per;
+    if (j->kind == JOB_LINEAR) {
+        const int64_t c0 = lo * 16, c1 = (lo + j->per) * 16 < j->n ? (lo + j->per) * 16 : j->n;
+        for (int64_t r = 0; r < j->m; r++) {
+            const int64_t at = (r * j->ldy + c0) * j->es;
+            memcpy((char *)j->y + at, (const char *)j->mirror + at, (size_t)((c1 - c0) * j->es));
+        }
+        return;
+    }
+    const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m;
+    const int64_t row = (int64_t)j->model->heads * j->model->head_dim * j->es;
+    memcpy((char *)j->y + lo * row, (const char *)j->mirror + lo * row, (size_t)((hi - lo) * row));
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+#if defined(SCHED_IDLE)
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* best effort */
+#endif
+    uint64_t seen = 0;
+    int64_t idle_since = now_ns();
+    for (;;) {
+        const uint32_t w = atomic_load(&pool.wake);
+        const uint64_t s = atomic_load(&pool.seq);
+        if (s == seen || (s & 1)) {
+            if (atomic_load(&pool.active)) {
+                idle_since = now_ns();
+            } else if (now_ns() - idle_since > HELPER_SPIN_NS) {
+                helper_sleep(w);
+                idle_since = now_ns();
+                continue;
+            }
+            CPU_RELAX();
+            continue;
+        }
+        /* enter op s: announce it first, then read the job and check it is still op s, so a
+         * context free (which bumps seq, then waits for in_op to leave older ops) cannot miss
+         * us (both sides sequentially consistent) */
+        atomic_store(&pool.in_op, s);
+        Job j;
+        memcpy(&j, &pool.job, sizeof j);
+        atomic_thread_fence(memory_order_acquire); /* the job's bytes before the re-check */
+        if (atomic_load(&pool.seq) != s) {
+            atomic_store(&pool.in_op, 0);
+            continue;
+        }
+        seen = s;
+        while (j.kind && atomic_load(&pool.seq) == s) {
+            const int c = atomic_fetch_add(&pool.next, 1);
+            if (c >= j.nchunks) break;
+            atomic_store(&pool.claim_ns[c], now_ns());
+            uint64_t want = TAG(s, CH_FREE);
+            if (!atomic_compare_exchange_strong(&pool.state[c], &want, TAG(s, CH_HELPER)))
+                continue;
+            const int rc = run_chunk(&j, c, j.mirror);
+            want = TAG(s, CH_HELPER);
+            /* done, or (a kernel failed) back to free so the step runs it and sees the error */
+            if (atomic_compare_exchange_strong(&pool.state[c], &want,
+                                               TAG(s, rc == 0 ? CH_DONE : CH_FREE)) &&
+                rc == 0)
+                atomic_fetch_add(&pool.chunks_helper, 1);
+        }
+        atomic_store(&pool.in_op, 0);
+        idle_since = now_ns();
+    }
+    return NULL;
+}
+
+/* Start the helper once per process. Returns 1 when it runs. */
+static int pool_start(void) {
+    pthread_mutex_lock(&pool_start_lock);
+    if (pool.started == 0) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.started = pthread_create(&t, &attr, helper_main, NULL) == 0 ? 1 : -1;
+        pthread_attr_destroy(&attr);
+    }
+    pthread_mutex_unlock(&pool_start_lock);
+    return pool.started == 1;
+}
+
+/* Publish job j (the step holds pool.lock). Returns its seq. */
+static uint64_t publish(const Job *j) {
+    const uint64_t s = atomic_load(&pool.seq);
+    atomic_store(&pool.seq, s + 1);
+    atomic_thread_fence(memory_order_release); /* the odd seq before the job's bytes */
+    memcpy(&pool.job, j, sizeof *j);
+    for (int c = 0; c < j->nchunks; c++) atomic_store(&pool.state[c], TAG(s + 2, CH_FREE));
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.seq, s + 2);
+    return s + 2;
+}
+
+/* Run job j with the helper: claim chunks until none is left, then settle each chunk the
+ * helper holds (copy it when done, take it back when it is late). Returns 0 or a kernel's
+ * code. */
+static int run_shared(const Job *j) {
+    const uint64_t s = publish(j);
+    int rc = 0, own = 0;
+    int64_t own_ns = 0;
+    for (;;) {
+        const int c = atomic_fetch_add(&pool.next, 1);
+        if (c >= j->nchunks) break;
+        uint64_t want = TAG(s, CH_FREE);
+        if (!atomic_compare_exchange_strong(&pool.state[c], &want, TAG(s, CH_MAIN))) continue;
+        const int64_t t0 = now_ns();
+        rc |= run_chunk(j, c, j->y);
+        own_ns += now_ns() - t0;
+        own++;
+    }
+    /* a helper chunk is late after twice the mean of ours (or 50 us when we ran none) */
+    const int64_t late = own ? 2 * own_ns / own + 2000 : 50000;
+    for (int c = 0; c < j->nchunks; c++) {
+        for (;;) {
+            uint64_t st = atomic_load(&pool.state[c]);
+            const int k = (int)(st & 3);
+            if (k == CH_MAIN) break;
+            if (k == CH_DONE) {
+                copy_chunk(j, c);
+                break;
+            }
+            if (k == CH_HELPER && now_ns() - atomic_load(&pool.claim_ns[c]) < late) {
+                CPU_RELAX();
+                continue;
+            }
+            /* free (claimed by a preempted helper's counter, or handed back), or late */
+            if (atomic_compare_exchange_strong(&pool.state[c], &st, TAG(s, CH_MAIN))) {
+                if (k == CH_HELPER) atomic_fetch_add(&pool.chunks_taken_back, 1);
+                rc |= run_chunk(j, c, j->y);
+                break;
+            }
+        }
+    }
+    return rc;
+}
+
+/* ---- the step's context: everything the helper may touch, alive until pd_decode_ctx_free ---- */
+
+typedef struct {
+    const DlModel *model;
+    int64_t max_rows;
+    char *scratch;      /* xn, qkv, qr, kr, att, gu: see pd_decode_layers */
+    int64_t offs[6];
+    char *prep;         /* the operand copy for the matmuls */
+    char *mirror;       /* the helper's outputs */
+    int32_t *tables;    /* the step's block tables [max_rows, table_cap] */
+    int32_t *seq_lens;  /* [max_rows] */
+    int64_t table_cap;
+    void **retired;     /* outgrown tables, freed with the context (the helper may read them) */
+    int num_retired;
+    int helper;         /* use the idle-core helper */
+} DlContext;
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    const int64_t ab = a > b ? a : b;
+    return ab > c ? ab : c;
+}
+
+/* A context for steps of model m with up to max_rows decodes, the helper on (helper != 0) or
+ * off. Returns NULL when memory runs out (or max_rows < 1). */
+DlContext *pd_decode_ctx_new(const DlModel *m, int64_t max_rows, int helper) {
+    if (max_rows < 1) return NULL;
+    DlContext *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return NULL;
+    const int64_t es = m->dtype == DL_F32 ? 4 : 2, H = m->hidden, I = m->intermediate;
+    const int64_t q_n = (int64_t)m->heads * m->head_dim, kv_n = (int64_t)m->kv_heads * m->head_dim;
+    const int64_t qkv_n = q_n + 2 * kv_n, wide = H > I ? H : I;
+    const int64_t gu_n = 2 * I > H ? 2 * I : H, B = max_rows;
+    const int64_t sizes[6] = {B * wide, B * qkv_n, B * q_n, B * kv_n, B * q_n, B * gu_n};
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) {
+        ctx->offs[i] = total;
+        total += (sizes[i] * es + 63) / 64 * 64;
+    }
+    const int64_t out_n = max3(qkv_n, gu_n, m->lm_head ? m->vocab : 0);
+    ctx->model = m;
+    ctx->max_rows = B;
+    ctx->helper = helper != 0;
+    ctx->scratch = aligned_alloc(64, (size_t)total);
+    ctx->prep = aligned_alloc(64, (size_t)m->prep_bytes(B, wide > q_n ? wide : q_n));
+    ctx->mirror = aligned_alloc(64, (size_t)((B * out_n * es + 63) / 64 * 64));
+    ctx->seq_lens = calloc((size_t)B, sizeof(int32_t));
+    if (!ctx->scratch || !ctx->prep || !ctx->mirror || !ctx->seq_lens) {
+        free(ctx->scratch);
+        free(ctx->prep);
+        free(ctx->mirror);
+        free(ctx->seq_lens);
+        free(ctx);
+        return NULL;
+    }
+    return ctx;
+}
+
+/* Free a context once the helper has left every op that may point into it. */
+void pd_decode_ctx_free(DlContext *ctx) {
+    if (!ctx) return;
+    pthread_mutex_lock(&pool.lock);
+    if (pool.started == 1) {
+        /* a new (empty) op, then wait until the helper is in no older one */
+        Job none;
+        memset(&none, 0, sizeof none);
+        const uint64_t s = publish(&none);
+        const struct timespec nap = {0, 100000};
+        for (;;) {
+            const uint64_t in = atomic_load(&pool.in_op);
+            if (in == 0 || in >= s) break;
+            nanosleep(&nap, NULL);
+        }
+    }
+    pthread_mutex_unlock(&pool.lock);
+    for (int i = 0; i < ctx->num_retired; i++) free(ctx->retired[i]);
+    free(ctx->retired);
+    free(ctx->tables);
+    free(ctx->scratch);
+    free(ctx->prep);
+    free(ctx->mirror);
+    free(ctx->seq_lens);
+    free(ctx);
+}
+
+/* The helper's counters since the process started: chunks it computed, and chunks it had
+ * claimed that the step took back (late). */
+void pd_decode_helper_stats(uint64_t *helper_chunks, uint64_t *taken_back) {
+    *helper_chunks = atomic_load(&pool.chunks_helper);
+    *taken_back = atomic_load(&pool.chunks_taken_back);
+}
+
+/* The step's block tables and lengths into the context (the helper reads these copies). Returns
+ * 0, -1 when memory runs out. */
+static int stage_tables(DlContext *ctx, const int32_t *tables, int64_t table_stride,
+                        const int32_t *seq_lens, int64_t B) {
+    if (table_stride > ctx->table_cap) {
+        int64_t cap = ctx->table_cap ? ctx->table_cap : 64;
+        while (cap < table_stride) cap *= 2;
+        int32_t *t = calloc((size_t)(ctx->max_rows * cap), sizeof(int32_t));
+        void **r = realloc(ctx->retired, sizeof(void *) * (size_t)(ctx->num_retired + 1));
+        if (!t || !r) {
+            free(t);
+            if (r) ctx->retired = r;
+            return -1;
+        }
+        ctx->retired = r;
+        if (ctx->tables) ctx->retired[ctx->num_retired++] = ctx->tables;
+        ctx->tables = t;
+        ctx->table_cap = cap;
+    }
+    for (int64_t i = 0; i < B; i++)
+        memcpy(ctx->tables + i * ctx->table_cap, tables + i * table_stride,
+               sizeof(int32_t) * (size_t)table_stride);
+    memcpy(ctx->seq_lens, seq_lens, sizeof(int32_t) * (size_t)B);
+    return 0;
+}
+
+/* ---- the ops of a step ------------------------------------------------------------------------ */
+
+typedef struct {
+    DlContext *ctx;
+    int shared;  /* the helper takes part in this step */
+    int threads; /* OpenMP threads for whole-op calls (no helper) */
+    int num_splits, attend_threads;
+} Step;
+
+/* y[B, n] (row stride ldy) = x[B, k] @ W^T + bias */
+static int linear(const Step *st, const void *x, int64_t B, int64_t k, const void *packed,
+                  int64_t n, const void *bias, void *y, int64_t ldy) {
+    const DlModel *m = st->ctx->model;
+    if (!st->shared) return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
+    const int dt = m->dtype;
+    const int path = m->prepare(dt, x, B, k, k, st->ctx->prep);
+    if (path < 0) return -2;
+    const int64_t es = dt == DL_F32 ? 4 : 2, panels = (n + 15) / 16;
+    int64_t per = CHUNK_BYTES / (k * 16 * es);
+    if (per < 1) per = 1;
+    if ((panels + per - 1) / per > MAX_CHUNKS) per = (panels + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    const Job j = {.kind = JOB_LINEAR, .nchunks = (int)((panels + per - 1) / per), .dtype = dt,
+                   .path = path, .per = per, .es = es, .prep = st->ctx->prep, .packed = packed,
+                   .bias = bias, .m = B, .k = k, .n = n, .ldy = ldy, .model = m, .y = y,
+                   .mirror = st->ctx->mirror};
+    return run_shared(&j);
+}
+
+/* attention of the B decodes' queries q [B, heads * D] into out [B, heads * D] */
+static int attend(const Step *st, const DlLayer *L, const void *q, int64_t B, const int32_t *tables,
+                  int64_t table_stride, const int32_t *seq_lens, void *out) {
+    const DlModel *m = st->ctx->model;
+    const int64_t q_n = (int64_t)m->heads * m->head_dim;
+    if (!st->shared)
+        return m->attend(q, q_n, m->head_dim, m->dtype, L->k_cache, L->v_cache, m->blk_stride,
+                         m->dtype, tables, table_stride, seq_lens, NULL, out, q_n, m->head_dim,
+                         (int)B, m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
+                         st->num_splits, st->attend_threads);
+    const Job j = {.kind = JOB_ATTEND, .nchunks = (int)B, .dtype = m->dtype, .per = 1,
+                   .es = m->dtype == DL_F32 ? 4 : 2, .m = B, .q = q, .k_cache = L->k_cache,
+                   .v_cache = L->v_cache, .tables = st->ctx->tables,
+                   .table_stride = st->ctx->table_cap, .seq_lens = st->ctx->seq_lens, .model = m,
+                   .y = out, .mirror = st->ctx->mirror};
+    return run_shared(&j);
+}
+
 /* ---- entry point ---------------------------------------------------------------------------- */
 
-/* Every decoder layer and the final norm for B decodes (one token each), in place:
+/* Every decoder layer and the final norm (and, when the model has lm_head panels and logits is
+ * not NULL, the logits) for B decodes (one token each), in place:
  *
+ * ctx:    a context of pd_decode_ctx_new for this model, B <= its max_rows; one step at a time
+ *         per context.
  * x:      [B, hidden] in the model dtype: the token embeddings on entry, the final-norm hidden
  *         states on return.
  * rope:   [B, 2, head_dim]: each token's cos row and signed-sin row (RotaryEmbedding's table).
  * slots:  int64 [B] pool slot of each token's new K/V.
  * tables, table_stride, seq_lens: the decode kernel's int32 block tables [B, table_stride] and
  *         context lengths [B] (the new token included).
- * num_splits, attend_threads: the decode kernel's split-K and threads; threads: the GEMMs'.
+ * logits: [B, vocab] in the model dtype, or NULL.
+ * num_splits, attend_threads: the decode kernel's split-K and threads; threads: the GEMMs'. With
+ *         threads == 1 and the context's helper on, the idle-core helper shares the matmuls and
+ *         the attention (see above) when no other step holds it; else the kernels run whole on
+ *         these threads.
  *
- * Returns 0; -1 when scratch memory cannot be allocated; -2 when a kernel fails (the skinny GEMM's
- * or the attention's scratch allocation). x is then partly updated and the caches may hold some
- * layers' new K/V for these slots: nothing reads them before a step that computes these tokens
- * again rewrites them.
+ * Returns 0; -1 when scratch memory cannot be allocated (or B exceeds the context); -2 when a
+ * kernel fails (the skinny GEMM's or the attention's scratch allocation). x is then partly updated
+ * and the caches may hold some layers' new K/V for these slots: nothing reads them before a step
+ * that computes these tokens again rewrites them.
  */
-int pd_decode_layers(const DlModel *m, void *x, int64_t B, const void *rope, const int64_t *slots,
+int pd_decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope, const int64_t *slots,
                      const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                     int num_splits, int attend_threads, int threads) {
+                     void *logits, int num_splits, int attend_threads, int threads) {
+    const DlModel *m = ctx->model;
+    if (B > ctx->max_rows) return -1;
     const int dt = m->dtype, H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t es = dt == DL_F32 ? 4 : 2;
     const int64_t q_n = (int64_t)m->heads * D, kv_n = (int64_t)m->kv_heads * D;
     const int64_t qkv_n = q_n + 2 * kv_n;
-    /* scratch: xn [B, max(H, I)], qkv [B, qkv_n], qr [B, q_n], kr [B, kv_n], att [B, q_n],
-     * gu [B, max(2 I, H)] (gate|up, then the down projection's output); each 64-byte aligned */
-    const int64_t wide = H > I ? H : I, gu_n = 2 * (int64_t)I > H ? 2 * (int64_t)I : H;
-    const int64_t sizes[6] = {B * wide, B * qkv_n, B * q_n, B * kv_n, B * q_n, B * gu_n};
-    int64_t total = 0, offs[6];
-    for (int i = 0; i < 6; i++) {
-        offs[i] = total;
-        total += (sizes[i] * es + 63) / 64 * 64;
+    char *xn = ctx->scratch + ctx->offs[0], *qkv = ctx->scratch + ctx->offs[1];
+    char *qr = ctx->scratch + ctx->offs[2], *kr = ctx->scratch + ctx->offs[3];
+    char *att = ctx->scratch + ctx->offs[4], *gu = ctx->scratch + ctx->offs[5];
+    Step st = {ctx, 0, threads, num_splits, attend_threads};
+    if (ctx->helper && threads == 1 && pool_start() && pthread_mutex_trylock(&pool.lock) == 0) {
+        if (stage_tables(ctx, tables, table_stride, seq_lens, B) == 0) {
+            st.shared = 1;
+            atomic_store(&pool.active, 1);
+            helper_wake();
+        } else {
+            pthread_mutex_unlock(&pool.lock);
+        }
     }
-    char *scratch = aligned_alloc(64, (size_t)(total > 0 ? total : 64));
-    if (!scratch) return -1;
-    char *xn = scratch + offs[0], *qkv = scratch + offs[1], *qr = scratch + offs[2];
-    char *kr = scratch + offs[3], *att = scratch + offs[4], *gu = scratch + offs[5];
     int rc = 0;
     for (int li = 0; li < m->num_layers && rc == 0; li++) {
         const DlLayer *L = &m->layers[li];
         /* attention block: x += o_proj(attend(rope(q), rope(k), v)) */
         rms_norm(x, L->input_norm, xn, B, H, m->eps, dt);
-        if (m->linear(xn, B, H, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n, threads)) {
+        if (linear(&st, xn, B, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n)) {
             rc = -2;
             break;
         }
         rotate(qkv, qkv_n, qr, q_n, rope, B, m->heads, D, dt);
         rotate(qkv + q_n * es, qkv_n, kr, kv_n, rope, B, m->kv_heads, D, dt);
         write_kv(m, L, kr, kv_n, qkv + (q_n + kv_n) * es, qkv_n, slots, B);
-        if (m->attend(qr, q_n, D, dt, L->k_cache, L->v_cache, m->blk_stride, dt, tables,
-                      table_stride, seq_lens, NULL, att, q_n, D, (int)B, m->heads, m->kv_heads, D,
-                      m->block_size, m->scale, num_splits, attend_threads) ||
-            m->linear(att, B, q_n, q_n, L->o, H, L->o_bias, xn, H, threads)) {
+        if (attend(&st, L, qr, B, tables, table_stride, seq_lens, att) ||
+            linear(&st, att, B, q_n, L->o, H, L->o_bias, xn, H)) {
             rc = -2;
             break;
         }
         add_rows(x, xn, B, H, dt);
         /* MLP block: x += down(silu(gate(n)) * up(n)), n = norm(x) */
         rms_norm(x, L->post_norm, xn, B, H, m->eps, dt);
-        if (m->linear(xn, B, H, H, L->gate_up, 2 * (int64_t)I, NULL, gu, 2 * (int64_t)I,
-                      threads)) {
+        if (linear(&st, xn, B, H, L->gate_up, 2 * (int64_t)I, NULL, gu, 2 * (int64_t)I)) {
             rc = -2;
             break;
         }
         silu_mul(gu, xn, B, I, dt);
-        if (m->linear(xn, B, I, I, L->down, H, NULL, gu, H, threads)) {
+        if (linear(&st, xn, B, I, L->down, H, NULL, gu, H)) {
             rc = -2;
             break;
         }
@@ -305,7 +748,13 @@ int pd_decode_layers(const DlModel *m, void *x, int64_t B, const void *rope, con
     if (rc == 0) {
         rms_norm(x, m->final_norm, xn, B, H, m->eps, dt);
         memcpy(x, xn, (size_t)(B * H * es));
+        if (logits && m->lm_head && linear(&st, x, B, H, m->lm_head, m->vocab, NULL, logits,
+                                           m->vocab))
+            rc = -2;
     }
-    free(scratch);
+    if (st.shared) {
+        atomic_store(&pool.active, 0);
+        pthread_mutex_unlock(&pool.lock);
+    }
     return rc;
 }

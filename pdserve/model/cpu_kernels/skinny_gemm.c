@@ -19,7 +19,7 @@
  * rather than 16 with 4 thrown away (bf16, SmolLM2-135M, Zen 4, one thread: 12 rows 24.8 -> 17.8
  * ms for the 30 layers and the LM head; 4 rows 24.5 -> 12.2 ms).
  *
- * x is first copied interleaved (run_panels, pack_rows), so that the 16 rows' operands of one k
+ * x is first copied interleaved (pd_skinny_prepare, pack_rows), so that the 16 rows' operands of one k
  * step are adjacent and reached from one pointer: reading each row through its own pointer
  * spilled those pointers out of the general registers at 16 rows (bf16, the 30 layers and LM
  * head, one thread, in one interleaved run: 16 rows 25.5-26.3 -> 22.9-23.8 ms, 14 rows 21.8-22.2
@@ -81,7 +81,7 @@ int pd_skinny_bf16_available(void) {
 
 /* One register block of a fixed row count mr: rows [0, mr) of x times one panel -> the panel's
  * ncols columns of y (row stride ldy); bias: the panel's ncols entries or NULL. x comes
- * interleaved by run_panels (see pack_rows): xt[s][r] is row r's 4-byte word of k step s (an fp32
+ * interleaved by pd_skinny_prepare (see pack_rows): xt[s][r] is row r's 4-byte word of k step s (an fp32
  * element, or a bf16 pair), so every row's operand of a step sits at a constant offset from one
  * pointer: each multiply-add takes it as an embedded broadcast, with no per-row pointer to keep
  * in a register (16 of them spilled, and cost ~25% of the kernel's time on Zen 4). Each dtype
@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void panel_block_n(
 }
 
 /* BLOCKS(name, impl): impl (an inlined block taking mr) for mr = 1 .. 16, one function each, and
- * the table `name` of them that run_panels picks from */
+ * the table `name` of them that vector_panels picks from */
 #define BLOCK_N(impl, r)                                                                      \
     static void impl##_##r(const void *xt, const void *p, int64_t k, const void *b, void *y,  \
                            int64_t ldy, int ncols) {                                          \
@@ -143,51 +143,26 @@ static void pack_rows(const char *x, int64_t ldx, int64_t es, int64_t m0, int mr
     }
 }
 
-/* Every panel (split over num_threads OpenMP threads) times every 16-row block of x, through
- * blocks[mr - 1]; es: bytes per element. A panel holds k * PANEL elements in either dtype.
- * Returns 0, or -1 when the interleaved copy of x cannot be allocated. */
-static int run_panels(const block_fn *blocks, int64_t es, const void *x, int64_t m, int64_t k,
-                      int64_t ldx, const void *packed, int64_t n, const void *bias, void *y,
-                      int64_t ldy, int num_threads) {
-    const char *pc = packed, *bc = bias;
-    char *yc = y;
-    const int64_t panels = (n + PANEL - 1) / PANEL, steps = k * es / 4;
-    uint32_t *xt = malloc(sizeof(uint32_t) * (size_t)(m * steps + 1));
-    if (!xt) return -1;
-    for (int64_t m0 = 0; m0 < m; m0 += MR)
-        pack_rows(x, ldx, es, m0, m - m0 < MR ? (int)(m - m0) : MR, steps, xt + m0 * steps);
-    (void)num_threads;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t p = 0; p < panels; p++) {
+/* Panels [p0, p1) times every 16-row block of x, through blocks[mr - 1]; xt: x interleaved
+ * by pack_rows, one 16-row block after another; es: bytes per element (a panel holds k * PANEL
+ * elements in either dtype). */
+static void vector_panels(const block_fn *blocks, int64_t es, const uint32_t *xt, int64_t m,
+                          int64_t k, const char *packed, int64_t n, const char *bias, char *y,
+                          int64_t ldy, int64_t p0, int64_t p1) {
+    const int64_t steps = k * es / 4;
+    for (int64_t p = p0; p < p1; p++) {
         const int64_t left = n - p * PANEL;
         const int ncols = left < PANEL ? (int)left : PANEL;
-        const char *panel = pc + p * k * PANEL * es;
-        const char *pb = bc ? bc + p * PANEL * es : NULL;
+        const char *panel = packed + p * k * PANEL * es;
+        const char *pb = bias ? bias + p * PANEL * es : NULL;
         for (int64_t m0 = 0; m0 < m; m0 += MR) {
             const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            blocks[mr - 1](xt + m0 * steps, panel, k, pb, yc + (m0 * ldy + p * PANEL) * es, ldy,
+            blocks[mr - 1](xt + m0 * steps, panel, k, pb, y + (m0 * ldy + p * PANEL) * es, ldy,
                            ncols);
         }
     }
-    free(xt);
-    return 0;
 }
 #endif
-
-/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T + bias, W packed as above;
- * bias: [n] floats or NULL. num_threads: OpenMP threads splitting the panels.
- * Returns 0, or -1 where the kernel is not built (no AVX-512F). */
-int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
-                       int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
-#if defined(__AVX512F__)
-    return run_panels(F32_BLOCKS, sizeof(float), x, m, k, ldx, packed, n, bias, y, ldy,
-                      num_threads);
-#else
-    (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)y; (void)ldy;
-    (void)num_threads;
-    return -1;
-#endif
-}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* bf16 [16] (masked to ncols) -> fp32 lanes: a bf16 is the top half of an fp32 */
@@ -272,31 +247,6 @@ static void panels_amx(const uint16_t *xpad, int64_t m, int64_t k, const uint16_
     _tile_release();
 }
 
-/* pd_skinny_gemm_bf16 on AMX for m <= 16 rows and k a multiple of 32: x copied into 16 zero-padded
- * rows, the panels split over num_threads threads. Returns 0, -1 when the copy of x cannot be
- * allocated. */
-static int skinny_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
-                           const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
-                           int64_t ldy, int num_threads) {
-    uint16_t *xpad = aligned_alloc(64, (size_t)(16 * k * 2 + 64) / 64 * 64);
-    if (!xpad) return -1;
-    memset(xpad, 0, (size_t)(16 * k * 2));
-    for (int64_t r = 0; r < m; r++) memcpy(xpad + r * k, x + r * ldx, (size_t)k * 2);
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    (void)num_threads;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        if (p0 < p1) panels_amx(xpad, m, k, packed, n, bias, y, ldy, p0, p1);
-    }
-    free(xpad);
-    return 0;
-}
 #else
 #define SKINNY_HAVE_AMX 0
 #endif
@@ -313,24 +263,121 @@ int pd_skinny_set_amx(int on) {
 #endif
 }
 
+/* ---- entry points -------------------------------------------------------------------------- */
+
+#define SK_F32 0
+#define SK_BF16 1
+#define PATH_VECTOR 0
+#define PATH_AMX 1
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SKINNY_HAVE_BF16 1
+#else
+#define SKINNY_HAVE_BF16 0
+#endif
+
+/* Bytes of the operand copy pd_skinny_prepare writes for m rows of k (either dtype and path). */
+int64_t pd_skinny_prep_bytes(int64_t m, int64_t k) {
+    return ((m > 16 ? m : 16) * k * 4 + 63) / 64 * 64;
+}
+
+/* The first half of a GEMM split for many callers: x [m, k] (row stride ldx; dtype SK_F32 or
+ * SK_BF16) copied into prep (pd_skinny_prep_bytes(m, k) bytes, 64-byte aligned) in the layout of
+ * the path that takes these shapes. Returns the path (PATH_VECTOR, or PATH_AMX: bf16, 2 to 16
+ * rows, k a multiple of 32, where the build and the OS allow), or -1 where the kernel is not
+ * built for the dtype or a bf16 k is odd. */
+int pd_skinny_prepare(int dtype, const void *x, int64_t m, int64_t k, int64_t ldx, void *prep) {
+#if defined(__AVX512F__)
+    if (dtype == SK_BF16 && (!SKINNY_HAVE_BF16 || k % 2)) return -1;
+#if SKINNY_HAVE_AMX
+    if (dtype == SK_BF16 && m >= SKINNY_AMX_MIN_ROWS && m <= 16 && k % 32 == 0 &&
+        skinny_amx_enabled && amx_permitted()) {
+        uint16_t *xpad = prep;
+        memset(xpad, 0, (size_t)(16 * k * 2));
+        for (int64_t r = 0; r < m; r++)
+            memcpy(xpad + r * k, (const uint16_t *)x + r * ldx, (size_t)k * 2);
+        return PATH_AMX;
+    }
+#endif
+    const int64_t es = dtype == SK_F32 ? 4 : 2, steps = k * es / 4;
+    for (int64_t m0 = 0; m0 < m; m0 += MR)
+        pack_rows(x, ldx, es, m0, m - m0 < MR ? (int)(m - m0) : MR, steps,
+                  (uint32_t *)prep + m0 * steps);
+    return PATH_VECTOR;
+#else
+    (void)dtype; (void)x; (void)m; (void)k; (void)ldx; (void)prep;
+    return -1;
+#endif
+}
+
+/* The second half: panels [p0, p1) of y[m, n] (row stride ldy) = x @ W^T + bias from the copy
+ * pd_skinny_prepare made and the path it returned, on the calling thread. Callers may run
+ * disjoint panel ranges of one GEMM at once. Returns 0, or -1 for a path not built here. */
+int pd_skinny_panels(int dtype, int path, const void *prep, int64_t m, int64_t k,
+                     const void *packed, int64_t n, const void *bias, void *y, int64_t ldy,
+                     int64_t p0, int64_t p1) {
+#if SKINNY_HAVE_AMX
+    if (path == PATH_AMX) {
+        panels_amx(prep, m, k, packed, n, bias, y, ldy, p0, p1);
+        return 0;
+    }
+#endif
+#if defined(__AVX512F__)
+    if (path != PATH_VECTOR) return -1;
+    if (dtype == SK_F32) {
+        vector_panels(F32_BLOCKS, 4, prep, m, k, packed, n, bias, y, ldy, p0, p1);
+        return 0;
+    }
+#if SKINNY_HAVE_BF16
+    vector_panels(BF16_BLOCKS, 2, prep, m, k, packed, n, bias, y, ldy, p0, p1);
+    return 0;
+#endif
+#endif
+    (void)dtype; (void)path; (void)prep; (void)m; (void)k; (void)packed; (void)n; (void)bias;
+    (void)y; (void)ldy; (void)p0; (void)p1;
+    return -1;
+}
+
+/* The whole GEMM: prepare, then the panels split over num_threads OpenMP threads in contiguous
+ * ranges. Returns 0, -1 where the kernel is not built for the dtype (or a bf16 k is odd), -2 when
+ * the operand copy cannot be allocated. */
+static int skinny_gemm(int dtype, const void *x, int64_t m, int64_t k, int64_t ldx,
+                       const void *packed, int64_t n, const void *bias, void *y, int64_t ldy,
+                       int num_threads) {
+    void *prep = aligned_alloc(64, (size_t)pd_skinny_prep_bytes(m, k));
+    if (!prep) return -2;
+    const int path = pd_skinny_prepare(dtype, x, m, k, ldx, prep);
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    int rc = path < 0 ? -1 : 0;
+    (void)num_threads;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && path >= 0)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        if (path >= 0 && p0 < p1)
+            pd_skinny_panels(dtype, path, prep, m, k, packed, n, bias, y, ldy, p0, p1);
+    }
+    free(prep);
+    return rc;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T + bias, W packed as above;
+ * bias: [n] floats or NULL. num_threads: OpenMP threads splitting the panels.
+ * Returns 0, -1 where the kernel is not built (no AVX-512F), -2 out of memory. */
+int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
+                       int64_t n, const float *bias, float *y, int64_t ldy, int num_threads) {
+    return skinny_gemm(SK_F32, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
+}
+
 /* The bf16 twin of pd_skinny_gemm_f32: x, packed, bias and y hold bf16 (as uint16_t); k even,
- * packed as described at the top. Returns 0, or -1 where the kernel is not built (no
- * AVX512_BF16) or k is odd. */
+ * packed as described at the top. Returns 0, -1 where the kernel is not built (no AVX512_BF16)
+ * or k is odd, -2 out of memory. */
 int pd_skinny_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                         const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
                         int64_t ldy, int num_threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (k % 2) return -1;
-#if SKINNY_HAVE_AMX
-    if (m >= SKINNY_AMX_MIN_ROWS && m <= 16 && k % 32 == 0 && skinny_amx_enabled &&
-        amx_permitted())
-        return skinny_bf16_amx(x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
-#endif
-    return run_panels(BF16_BLOCKS, sizeof(uint16_t), x, m, k, ldx, packed, n, bias, y, ldy,
-                      num_threads);
-#else
-    (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)y; (void)ldy;
-    (void)num_threads;
-    return -1;
-#endif
+    return skinny_gemm(SK_BF16, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
 }
