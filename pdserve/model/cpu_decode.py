@@ -104,6 +104,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         lib.pd_decode_ctx_free.argtypes, lib.pd_decode_ctx_free.restype = [_P], None
         lib.pd_decode_helper_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 2
         lib.pd_decode_helper_stats.restype = None
+        lib.pd_decode_helper_set_delay.argtypes = [ctypes.c_int64]
+        lib.pd_decode_helper_set_delay.restype = None
     return lib, None
 
 
@@ -116,6 +118,15 @@ def helper_stats() -> tuple[int, int]:
     done, back = ctypes.c_uint64(), ctypes.c_uint64()
     lib.pd_decode_helper_stats(ctypes.byref(done), ctypes.byref(back))
     return done.value, back.value
+
+
+def set_helper_delay(seconds: float) -> None:
+    """Tests: make the helper nap ``seconds`` after each chunk it claims (0: never), as if the OS
+    had preempted it, so steps must take its chunks back. No-op where the library cannot be
+    built."""
+    lib, _ = _library()
+    if lib is not None:
+        lib.pd_decode_helper_set_delay(int(seconds * 1e9))
 
 
 def helper_applies() -> bool:

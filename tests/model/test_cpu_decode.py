@@ -3,6 +3,8 @@ forward, the same greedy tokens, and it runs exactly where it should."""
 
 from __future__ import annotations
 
+import gc
+import threading
 from dataclasses import replace
 
 import pytest
@@ -171,7 +173,9 @@ def test_greedy_tokens_equal_with_and_without_the_fused_step(
     calls = 0
     original = cpu_decode.FusedDecode.__call__
 
-    def counted(self: cpu_decode.FusedDecode, *args: object) -> torch.Tensor:
+    def counted(
+        self: cpu_decode.FusedDecode, *args: object
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         nonlocal calls
         calls += 1
         return original(self, *args)  # type: ignore[arg-type]
@@ -259,3 +263,128 @@ def test_bad_block_ids_and_positions_raise_before_the_kernel_runs() -> None:
     with pytest.raises(IndexError):
         fused(ids, far)
     assert torch.equal(r.kv_pool.kv, before)  # nothing was written
+
+
+# ---- the idle-core helper (pd_decode_layers shares its matmuls and attention) -----------------
+
+
+def _decode_run(
+    model: ModelConfig,
+    dtype: str,
+    lens: list[int],
+    steps: int,
+    helper: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill len(lens) random prompts (seeded), then ``steps`` fused decode steps of all of
+    them, with the helper on or off: (the steps' logits, the KV pool)."""
+    monkeypatch.setenv("PDSERVE_CPU_DECODE_HELPER", "1" if helper else "0")
+    block_size = 16
+    per_seq = -(-(max(lens) + steps) // block_size)
+    r = _runner(model, dtype, per_seq * len(lens), block_size=block_size)
+    assert r.fused_decode is not None and r.fused_decode.helper == helper
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in lens]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(lens))]
+    r.compute_logits(
+        [ScheduledSeq(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
+    )
+    pos, out = list(lens), []
+    for _ in range(steps):
+        tokens = torch.randint(3, 96, (len(lens),), generator=gen).tolist()
+        seqs = [ScheduledSeq(str(i), [tokens[i]], pos[i], tables[i], True, GREEDY)
+                for i in range(len(lens))]  # fmt: skip
+        out.append(r.compute_logits(seqs).clone())
+        pos = [p + 1 for p in pos]
+    return torch.stack(out), r.kv_pool.kv.clone()
+
+
+def _one_thread() -> int:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the helper only joins single-threaded steps
+    return before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["smollm2-shapes", "mid"])
+def test_the_helper_changes_no_bit(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks run the same kernels on the same data as the whole calls: logits and KV are
+    bit-equal with and without the helper."""
+    tdt = getattr(torch, dtype)
+    _needs_kernel(tdt)
+    model = SMOL if name == "smollm2-shapes" else MID
+    lens = torch.randint(1, 70, (skinny_rows(tdt)[1],), generator=torch.Generator().manual_seed(2))
+    before = _one_thread()
+    try:
+        done0, _ = cpu_decode.helper_stats()
+        on = _decode_run(model, dtype, lens.tolist(), 4, True, monkeypatch)
+        done1, _ = cpu_decode.helper_stats()
+        off = _decode_run(model, dtype, lens.tolist(), 4, False, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(on[0], off[0])
+    assert torch.equal(on[1], off[1])
+    assert done1 >= done0  # (whether it got a CPU in time is up to the OS)
+
+
+def test_late_helper_chunks_are_taken_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper that naps after each claim (as if preempted) has its chunks recomputed by the
+    step, and its late results are dropped: outputs stay bit-equal, and contexts freed while it
+    naps inside their ops are freed only after it leaves."""
+    _needs_kernel(torch.bfloat16)
+    lens = [33, 7, 64, 1, 20, 45, 16, 9]
+    before = _one_thread()
+    try:
+        off = _decode_run(SMOL, "bfloat16", lens, 3, False, monkeypatch)
+        _, back0 = cpu_decode.helper_stats()
+        cpu_decode.set_helper_delay(0.003)
+        on = _decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch)
+        gc.collect()  # the runner above goes (its context free waits for the napping helper)
+        _, back1 = cpu_decode.helper_stats()
+        again = _decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch)
+    finally:
+        cpu_decode.set_helper_delay(0.0)
+        torch.set_num_threads(before)
+    assert back1 > back0
+    for run in (on, again):
+        assert torch.equal(run[0], off[0])
+        assert torch.equal(run[1], off[1])
+
+
+def test_steps_of_two_models_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runners stepping in two threads: one holds the helper, the other runs alone (or
+    waits its turn); both compute what they compute alone."""
+    _needs_kernel(torch.float32)
+    lens = [5, 9, 1, 13, 4]
+    before = _one_thread()
+    try:
+        want = {n: _decode_run(n_cfg, "float32", lens, 6, False, monkeypatch)
+                for n, n_cfg in (("mid", MID), ("qwen2", QWEN))}  # fmt: skip
+        got: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        errors: list[BaseException] = []
+
+        def run(name: str, cfg: ModelConfig) -> None:
+            try:
+                got[name] = _decode_run(cfg, "float32", lens, 6, True, monkeypatch)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=a) for a in (("mid", MID), ("qwen2", QWEN))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        torch.set_num_threads(before)
+    assert not errors, errors
+    for name, (logits, kv) in want.items():
+        assert torch.equal(got[name][0], logits)
+        assert torch.equal(got[name][1], kv)
+
+
+def test_helper_off_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_DECODE_HELPER", "0")
+    assert not cpu_decode.helper_applies()
+    monkeypatch.setenv("PDSERVE_CPU_DECODE_HELPER", "1")
+    monkeypatch.setattr(cpu_decode.os, "sched_getaffinity", lambda pid: {0})
+    assert not cpu_decode.helper_applies()  # one CPU: nothing to share with

@@ -318,6 +318,7 @@ typedef struct {
     _Atomic int active;       /* a step is running: spin, do not sleep */
     _Atomic uint32_t wake;    /* futex word, bumped when a step starts */
     _Atomic uint64_t chunks_helper, chunks_taken_back; /* counters (pd_decode_helper_stats) */
+    _Atomic int64_t delay_ns; /* tests: the helper naps this long after each claim */
 } Pool;
 
 static Pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -421,6 +422,11 @@ static void *helper_main(void *arg) {
             uint64_t want = TAG(s, CH_FREE);
             if (!atomic_compare_exchange_strong(&pool.state[c], &want, TAG(s, CH_HELPER)))
                 continue;
+            const int64_t nap = atomic_load(&pool.delay_ns);
+            if (nap > 0) {
+                const struct timespec t = {nap / 1000000000, nap % 1000000000};
+                nanosleep(&t, NULL);
+            }
             const int rc = run_chunk(&j, c, j.mirror);
             want = TAG(s, CH_HELPER);
             /* done, or (a kernel failed) back to free so the step runs it and sees the error */
@@ -514,8 +520,8 @@ typedef struct {
     int64_t offs[6];
     char *prep;         /* the operand copy for the matmuls */
     char *mirror;       /* the helper's outputs */
-    int32_t *tables;    /* the step's block tables [max_rows, table_cap] */
-    int32_t *seq_lens;  /* [max_rows] */
+    int32_t *tables;    /* the step's block tables [max_rows, table_cap] (stage_tables) */
+    int32_t *seq_lens;  /* [max_rows], paired with tables */
     int64_t table_cap;
     void **retired;     /* outgrown tables, freed with the context (the helper may read them) */
     int num_retired;
@@ -550,12 +556,10 @@ DlContext *pd_decode_ctx_new(const DlModel *m, int64_t max_rows, int helper) {
     ctx->scratch = aligned_alloc(64, (size_t)total);
     ctx->prep = aligned_alloc(64, (size_t)m->prep_bytes(B, wide > q_n ? wide : q_n));
     ctx->mirror = aligned_alloc(64, (size_t)((B * out_n * es + 63) / 64 * 64));
-    ctx->seq_lens = calloc((size_t)B, sizeof(int32_t));
-    if (!ctx->scratch || !ctx->prep || !ctx->mirror || !ctx->seq_lens) {
+    if (!ctx->scratch || !ctx->prep || !ctx->mirror) {
         free(ctx->scratch);
         free(ctx->prep);
         free(ctx->mirror);
-        free(ctx->seq_lens);
         free(ctx);
         return NULL;
     }
@@ -596,28 +600,45 @@ void pd_decode_helper_stats(uint64_t *helper_chunks, uint64_t *taken_back) {
     *taken_back = atomic_load(&pool.chunks_taken_back);
 }
 
-/* The step's block tables and lengths into the context (the helper reads these copies). Returns
- * 0, -1 when memory runs out. */
+/* Tests: make the helper nap ns nanoseconds after each chunk it claims (0: never), as if the OS
+ * had preempted it, so the step takes chunks back. */
+void pd_decode_helper_set_delay(int64_t ns) { atomic_store(&pool.delay_ns, ns); }
+
+/* The step's block tables and lengths into the context, where the helper reads them. Every entry
+ * of the staged tables is a valid block id at every moment (a sequence's used blocks, zeros past
+ * them; the caller checked the used ones), and a tables buffer is only ever paired with its own
+ * lengths buffer (both are replaced together when the tables outgrow their width), so a helper
+ * still inside an op of an earlier step reads stale but in-bounds data. Returns 0, -1 when memory
+ * runs out. */
 static int stage_tables(DlContext *ctx, const int32_t *tables, int64_t table_stride,
                         const int32_t *seq_lens, int64_t B) {
     if (table_stride > ctx->table_cap) {
         int64_t cap = ctx->table_cap ? ctx->table_cap : 64;
         while (cap < table_stride) cap *= 2;
         int32_t *t = calloc((size_t)(ctx->max_rows * cap), sizeof(int32_t));
-        void **r = realloc(ctx->retired, sizeof(void *) * (size_t)(ctx->num_retired + 1));
-        if (!t || !r) {
+        int32_t *l = calloc((size_t)ctx->max_rows, sizeof(int32_t));
+        void **r = realloc(ctx->retired, sizeof(void *) * (size_t)(ctx->num_retired + 2));
+        if (r) ctx->retired = r;
+        if (!t || !l || !r) {
             free(t);
-            if (r) ctx->retired = r;
+            free(l);
             return -1;
         }
-        ctx->retired = r;
-        if (ctx->tables) ctx->retired[ctx->num_retired++] = ctx->tables;
+        if (ctx->tables) {
+            ctx->retired[ctx->num_retired++] = ctx->tables;
+            ctx->retired[ctx->num_retired++] = ctx->seq_lens;
+        }
         ctx->tables = t;
+        ctx->seq_lens = l;
         ctx->table_cap = cap;
     }
-    for (int64_t i = 0; i < B; i++)
-        memcpy(ctx->tables + i * ctx->table_cap, tables + i * table_stride,
-               sizeof(int32_t) * (size_t)table_stride);
+    const int64_t bs = ctx->model->block_size;
+    for (int64_t i = 0; i < B; i++) {
+        int32_t *row = ctx->tables + i * ctx->table_cap;
+        const int64_t used = (seq_lens[i] + bs - 1) / bs; /* <= table_stride (checked) */
+        memcpy(row, tables + i * table_stride, sizeof(int32_t) * (size_t)used);
+        memset(row + used, 0, sizeof(int32_t) * (size_t)(ctx->table_cap - used));
+    }
     memcpy(ctx->seq_lens, seq_lens, sizeof(int32_t) * (size_t)B);
     return 0;
 }
