@@ -30,7 +30,11 @@ own lock cannot deadlock against ``receiver.cancel`` called under ours); the loo
 at the next step boundary, or within ``idle_poll_s`` when idle. Each request's events go to the
 ``sink`` given to :meth:`DecodeEngine.add_request`, called with the lock held, in order, never
 after the request's terminal event: sinks must not block (the service hands events to its
-asyncio loop with ``call_soon_threadsafe``).
+asyncio loop with ``call_soon_threadsafe``). A sink may carry a ``batch`` attribute, an object
+with a ``flush()`` method: after each round of deliveries the engine calls every distinct one
+once, so sinks may queue their events and hand a round over in one go (the service wakes its
+event loop once a step instead of once per request: each wake-up is a socket write that gives
+up the GIL, and the step thread then waited to take it back, up to ~1 ms a step at batch 16).
 """
 
 from __future__ import annotations
@@ -318,14 +322,23 @@ class DecodeEngine(WorkerEngine):
     def _flush(self) -> None:
         """Deliver the scheduler's events to their sinks and cancel released transfers."""
         events, released = self.scheduler.drain()
+        batches: dict[int, object] = {}
         for rid, ev in events:
             sink = self._sinks.pop(rid, None) if is_terminal(ev) else self._sinks.get(rid)
             if sink is None:
                 continue
+            batch = getattr(sink, "batch", None)
+            if batch is not None:
+                batches[id(batch)] = batch
             try:
                 sink(ev)
             except Exception:  # noqa: BLE001 - a broken sink must not stop the engine
                 log.exception("event sink of request %s raised", rid)
+        for batch in batches.values():
+            try:
+                batch.flush()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                log.exception("event batch flush raised")
         if self.receiver is not None:
             for tid in released:
                 try:

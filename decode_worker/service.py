@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 
 import grpc
@@ -76,11 +77,61 @@ def event_to_proto(ev: DecodeEvent) -> pb.DecodeEvent:
     )
 
 
+class LoopMailbox:
+    """Events from the engine's thread for the asyncio queues of one event loop, handed over in
+    batches: :meth:`sink` makes a request's sink (which only queues), and the engine calls
+    :meth:`flush` once after each round of deliveries (see :mod:`decode_worker.engine`), which
+    wakes the loop once for the whole round."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[DecodeEvent], DecodeEvent]] = []
+        self._scheduled = False
+
+    def sink(self, queue: asyncio.Queue[DecodeEvent]) -> Callable[[DecodeEvent], None]:
+        """A sink for ``queue`` (its ``batch`` attribute is this mailbox)."""
+
+        def put(ev: DecodeEvent) -> None:
+            with self._lock:
+                self._items.append((queue, ev))
+
+        put.batch = self  # type: ignore[attr-defined]
+        return put
+
+    def flush(self) -> None:
+        """Wake the loop to deliver what is queued (no-op when nothing is, or a wake-up is
+        already pending)."""
+        with self._lock:
+            if not self._items or self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop closed (server shutting down)
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
 class DecodeService(pb_grpc.DecodeServiceServicer):
     """gRPC servicer over one :class:`DecodeEngine` (whose step loop must be running)."""
 
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
+        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}
+
+    def _mailbox(self) -> LoopMailbox:
+        """The mailbox of the running event loop (one per loop; the server has one)."""
+        loop = asyncio.get_running_loop()
+        box = self._mailboxes.get(loop)
+        if box is None:
+            box = self._mailboxes[loop] = LoopMailbox(loop)
+        return box
 
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -90,15 +141,8 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             req = request_from_proto(request)
         except SamplingError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[DecodeEvent] = asyncio.Queue()
-
-        def sink(ev: DecodeEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
-            except RuntimeError:  # the loop closed (server shutting down)
-                pass
-
+        sink = self._mailbox().sink(queue)
         try:
             acc = self.engine.add_request(req, sink)
         except EngineError as e:

@@ -121,3 +121,40 @@ async def test_dropped_client_stream_frees_blocks_within_1s(
     await _wait_free(engine, 1.0)
     assert engine.num_live == 0 and engine.stats().num_finished == 0  # aborted, not finished
     engine.check_integrity()
+
+
+async def test_mailbox_hands_a_round_of_events_over_with_one_wake_up() -> None:
+    """Sinks of one loop only queue; the engine's flush wakes the loop once per round, and every
+    queue gets its events in order."""
+    from decode_worker.request import TokensEvent
+    from decode_worker.service import LoopMailbox
+
+    loop = asyncio.get_running_loop()
+    box = LoopMailbox(loop)
+    queues: list[asyncio.Queue[object]] = [asyncio.Queue() for _ in range(4)]
+    sinks = [box.sink(q) for q in queues]  # type: ignore[arg-type]
+    assert all(getattr(s, "batch", None) is box for s in sinks)
+    wakes = 0
+    real = loop.call_soon_threadsafe
+
+    def counted(*args: object) -> object:
+        nonlocal wakes
+        wakes += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+
+        def engine_rounds() -> None:  # the engine's thread: rounds of deliveries, then a flush
+            for step in range(3):
+                for i, s in enumerate(sinks):
+                    s(TokensEvent(((step, i),)))  # type: ignore[arg-type]
+                box.flush()
+                box.flush()  # a second flush with the wake-up pending adds none
+
+        await asyncio.to_thread(engine_rounds)
+        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(3)] for q in queues]
+    finally:
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+    assert got == [[TokensEvent(((step, i),)) for step in range(3)] for i in range(4)]
+    assert 1 <= wakes <= 3
