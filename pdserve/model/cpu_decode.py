@@ -253,7 +253,8 @@ class FusedDecode:
         is written into its cache at ``meta.slot_mapping``. Raises TypeError for
         metadata of another backend, ValueError for a block id past the pool, IndexError for a
         token id or position outside the embedding or RoPE table, MemoryError when the kernel's
-        scratch memory cannot be allocated."""
+        scratch memory cannot be allocated, RuntimeError after the context was freed (at
+        interpreter exit, while a daemon step loop still runs)."""
         if not isinstance(meta, CpuPagedMetadata):
             raise TypeError(f"fused decode needs cpu_paged metadata, got {type(meta).__name__}")
         d = meta.decode
@@ -279,6 +280,8 @@ class FusedDecode:
             None if logits is None else logits.data_ptr(),
             decode_splits(b, d.max_seq_len, attend_threads), attend_threads, threads,
         )  # fmt: skip
+        if rc == -3:
+            raise RuntimeError("fused decode step called after its context was freed")
         if rc != 0:
             what = "its scratch" if rc == -1 else "a kernel's scratch (GEMM or attention)"
             raise MemoryError(f"fused decode step failed ({rc}): could not allocate {what}")

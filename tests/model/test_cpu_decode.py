@@ -388,3 +388,15 @@ def test_helper_off_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CPU_DECODE_HELPER", "1")
     monkeypatch.setattr(cpu_decode.os, "sched_getaffinity", lambda pid: {0})
     assert not cpu_decode.helper_applies()  # one CPU: nothing to share with
+
+
+def test_a_step_after_the_context_is_freed_raises() -> None:
+    """At interpreter exit the finalizer frees the context while a daemon step loop may still
+    call: the call is refused, not run on freed memory."""
+    r, fused = _tiny_fused(num_blocks=8)
+    meta = r.model.attn_backend.build_metadata([1], [3], [[0]], 4)
+    ids = torch.tensor([5], dtype=torch.int64)
+    fused(ids, meta)
+    fused._finalizer()  # what atexit does
+    with pytest.raises(RuntimeError, match="freed"):
+        fused(ids, meta)

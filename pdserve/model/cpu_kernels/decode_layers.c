@@ -28,6 +28,7 @@
 #define _GNU_SOURCE /* SCHED_IDLE */
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -308,7 +309,7 @@ typedef struct {
 
 typedef struct {
     pthread_mutex_t lock; /* held by the step using the helper (others run without it) */
-    int started;          /* 1: the helper runs; -1: it could not be started */
+    _Atomic int started;  /* 1: the helper runs; -1: it could not be started; 0: not yet */
     _Atomic uint64_t seq; /* seqlock over job: odd while the step writes it */
     Job job;
     _Atomic int next;     /* the next chunk to claim */
@@ -441,19 +442,37 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
+/* In a child of fork(): the helper thread was not copied, and a lock may have been copied held.
+ * Start over (a new helper on the child's first step). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool_start_lock, NULL);
+    atomic_store(&pool.in_op, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.started, 0);
+}
+
 /* Start the helper once per process. Returns 1 when it runs. */
 static int pool_start(void) {
+    if (atomic_load(&pool.started) != 0) return atomic_load(&pool.started) == 1;
     pthread_mutex_lock(&pool_start_lock);
-    if (pool.started == 0) {
+    static int atfork_registered = 0;
+    if (!atfork_registered) atfork_registered = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    if (atomic_load(&pool.started) == 0) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pool.started = pthread_create(&t, &attr, helper_main, NULL) == 0 ? 1 : -1;
+        /* no signals for the helper: they go to the process's own threads */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        atomic_store(&pool.started, pthread_create(&t, &attr, helper_main, NULL) == 0 ? 1 : -1);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
         pthread_attr_destroy(&attr);
     }
     pthread_mutex_unlock(&pool_start_lock);
-    return pool.started == 1;
+    return atomic_load(&pool.started) == 1;
 }
 
 /* Publish job j (the step holds pool.lock). Returns its seq. */
@@ -462,8 +481,10 @@ static uint64_t publish(const Job *j) {
     atomic_store(&pool.seq, s + 1);
     atomic_thread_fence(memory_order_release); /* the odd seq before the job's bytes */
     memcpy(&pool.job, j, sizeof *j);
-    for (int c = 0; c < j->nchunks; c++) atomic_store(&pool.state[c], TAG(s + 2, CH_FREE));
-    atomic_store(&pool.next, 0);
+    /* relaxed: the even seq below releases them all */
+    for (int c = 0; c < j->nchunks; c++)
+        atomic_store_explicit(&pool.state[c], TAG(s + 2, CH_FREE), memory_order_relaxed);
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
     atomic_store(&pool.seq, s + 2);
     return s + 2;
 }
@@ -472,6 +493,7 @@ static uint64_t publish(const Job *j) {
  * helper holds (copy it when done, take it back when it is late). Returns 0 or a kernel's
  * code. */
 static int run_shared(const Job *j) {
+    if (j->nchunks <= 1) return j->nchunks ? run_chunk(j, 0, j->y) : 0; /* nothing to share */
     const uint64_t s = publish(j);
     int rc = 0, own = 0;
     int64_t own_ns = 0;
@@ -526,6 +548,8 @@ typedef struct {
     void **retired;     /* outgrown tables, freed with the context (the helper may read them) */
     int num_retired;
     int helper;         /* use the idle-core helper */
+    _Atomic int in_use; /* steps inside pd_decode_layers */
+    _Atomic int dead;   /* freed: steps refuse to run (the struct itself is kept) */
 } DlContext;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
@@ -536,7 +560,7 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 /* A context for steps of model m with up to max_rows decodes, the helper on (helper != 0) or
  * off. Returns NULL when memory runs out (or max_rows < 1). */
 DlContext *pd_decode_ctx_new(const DlModel *m, int64_t max_rows, int helper) {
-    if (max_rows < 1) return NULL;
+    if (max_rows < 1 || max_rows > MAX_CHUNKS) return NULL; /* attention: a chunk a row */
     DlContext *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return NULL;
     const int64_t es = m->dtype == DL_F32 ? 4 : 2, H = m->hidden, I = m->intermediate;
@@ -566,16 +590,21 @@ DlContext *pd_decode_ctx_new(const DlModel *m, int64_t max_rows, int helper) {
     return ctx;
 }
 
-/* Free a context once the helper has left every op that may point into it. */
+/* Free a context's buffers once no step runs in it and the helper has left every op that may
+ * point into it. The small struct itself stays allocated (a call after the free finds it dead and
+ * returns -3 instead of touching freed memory). Blocks for at most a step in flight plus the
+ * helper's current chunk. */
 void pd_decode_ctx_free(DlContext *ctx) {
     if (!ctx) return;
+    const struct timespec nap = {0, 100000};
+    if (atomic_exchange(&ctx->dead, 1)) return; /* freed before */
+    while (atomic_load(&ctx->in_use)) nanosleep(&nap, NULL); /* a step in flight finishes */
     pthread_mutex_lock(&pool.lock);
-    if (pool.started == 1) {
+    if (atomic_load(&pool.started) == 1) {
         /* a new (empty) op, then wait until the helper is in no older one */
         Job none;
         memset(&none, 0, sizeof none);
         const uint64_t s = publish(&none);
-        const struct timespec nap = {0, 100000};
         for (;;) {
             const uint64_t in = atomic_load(&pool.in_op);
             if (in == 0 || in >= s) break;
@@ -590,7 +619,9 @@ void pd_decode_ctx_free(DlContext *ctx) {
     free(ctx->prep);
     free(ctx->mirror);
     free(ctx->seq_lens);
-    free(ctx);
+    ctx->retired = NULL;
+    ctx->tables = ctx->seq_lens = NULL;
+    ctx->scratch = ctx->prep = ctx->mirror = NULL;
 }
 
 /* The helper's counters since the process started: chunks it computed, and chunks it had
@@ -635,7 +666,8 @@ static int stage_tables(DlContext *ctx, const int32_t *tables, int64_t table_str
     const int64_t bs = ctx->model->block_size;
     for (int64_t i = 0; i < B; i++) {
         int32_t *row = ctx->tables + i * ctx->table_cap;
-        const int64_t used = (seq_lens[i] + bs - 1) / bs; /* <= table_stride (checked) */
+        int64_t used = (seq_lens[i] + bs - 1) / bs; /* <= table_stride (checked); clamped */
+        used = used < 0 ? 0 : used > table_stride ? table_stride : used;
         memcpy(row, tables + i * table_stride, sizeof(int32_t) * (size_t)used);
         memset(row + used, 0, sizeof(int32_t) * (size_t)(ctx->table_cap - used));
     }
@@ -708,14 +740,34 @@ static int attend(const Step *st, const DlLayer *L, const void *q, int64_t B, co
  *         the attention (see above) when no other step holds it; else the kernels run whole on
  *         these threads.
  *
- * Returns 0; -1 when scratch memory cannot be allocated (or B exceeds the context); -2 when a
- * kernel fails (the skinny GEMM's or the attention's scratch allocation). x is then partly updated
+ * Returns 0; -1 when scratch memory cannot be allocated (or B exceeds the context); -3 when the
+ * context was freed; -2 when a kernel fails (the skinny GEMM's or the attention's scratch allocation). x is then partly updated
  * and the caches may hold some layers' new K/V for these slots: nothing reads them before a step
  * that computes these tokens again rewrites them.
  */
+static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
+                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                         const int32_t *seq_lens, void *logits, int num_splits,
+                         int attend_threads, int threads);
+
 int pd_decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope, const int64_t *slots,
                      const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                      void *logits, int num_splits, int attend_threads, int threads) {
+    atomic_fetch_add(&ctx->in_use, 1);
+    if (atomic_load(&ctx->dead)) {
+        atomic_fetch_sub(&ctx->in_use, 1);
+        return -3;
+    }
+    const int rc = decode_layers(ctx, x, B, rope, slots, tables, table_stride, seq_lens, logits,
+                                 num_splits, attend_threads, threads);
+    atomic_fetch_sub(&ctx->in_use, 1);
+    return rc;
+}
+
+static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
+                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                         const int32_t *seq_lens, void *logits, int num_splits,
+                         int attend_threads, int threads) {
     const DlModel *m = ctx->model;
     if (B > ctx->max_rows) return -1;
     const int dt = m->dtype, H = m->hidden, D = m->head_dim, I = m->intermediate;
