@@ -20,6 +20,10 @@ Variables (all optional):
   (pdserve/model/cpu_linear.py) and with them the second copy of the weights they hold.
 - ``PDSERVE_CPU_SAMPLING_KERNEL``: ``0`` makes the sampler use its torch path on the CPU instead
   of the C race and argmax kernel (pdserve/sampling_cpu.py).
+- ``PDSERVE_CPU_FUSED_DECODE``: ``0`` makes decode-only CPU steps run the model's forward instead
+  of the one-call C step (pdserve/model/cpu_decode.py).
+- ``PDSERVE_CPU_DECODE_HELPER``: ``0`` keeps that C step on its own thread, without the
+  idle-priority helper thread it otherwise shares its matmuls and attention with.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 

@@ -7,8 +7,16 @@ decode worker (session 17, docs/benchmarks.md) put ~9 ms of a ~50 ms step there,
 the step runs on. :class:`FusedDecode` runs a decode-only step's decoder layers and final norm in
 one call into ``cpu_kernels/decode_layers.c``, which calls the same skinny GEMM and paged decode
 attention kernels the compiled model reaches through Python, and does the elementwise steps itself
-with the eager model's bf16 roundings (see that file). The embedding lookup, the RoPE table lookup,
-the logits and sampling stay in Python (once per step).
+with the eager model's bf16 roundings (see that file). Where the LM head is packed like the layers,
+the logits come out of the same call. The embedding lookup, the RoPE table lookup and sampling stay
+in Python (once per step).
+
+Where the step runs on one thread and the process may use more than one CPU
+(:func:`helper_applies`), the C step shares each matmul's panel ranges and the attention's
+sequences with a helper thread at ``SCHED_IDLE`` priority, taking back whatever the helper has not
+finished in time (the protocol: "the idle-core helper" in ``decode_layers.c``). Each
+:class:`FusedDecode` owns a C context (scratch, staged block tables, the helper's output mirror)
+that lives until the object is collected. ``PDSERVE_CPU_DECODE_HELPER=0`` turns the helper off.
 
 It applies where the compiled path would run those kernels anyway: a model of exactly the Llama
 layers of :mod:`pdserve.model.llama` (Llama, Mistral, SmolLM2, Qwen2) in fp32 or bf16 with every
