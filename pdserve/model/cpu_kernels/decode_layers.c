@@ -358,7 +358,8 @@ static int run_chunk(const Job *j, int c, char *dst) {
                                 dst, j->ldy, lo, hi);
     }
     const DlModel *m = j->model;
-    const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m, q_n = (int64_t)m->heads * m->head_dim;
+    const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m;
+    const int64_t q_n = (int64_t)m->heads * m->head_dim;
     return m->attend((const char *)j->q + lo * q_n * j->es, q_n, m->head_dim, j->dtype, j->k_cache,
                      j->v_cache, m->blk_stride, j->dtype, j->tables + lo * j->table_stride,
                      j->table_stride, j->seq_lens + lo, NULL, dst + lo * q_n * j->es, q_n,
@@ -675,7 +676,7 @@ static int stage_tables(DlContext *ctx, const int32_t *tables, int64_t table_str
     return 0;
 }
 
-/* ---- the ops of a step ------------------------------------------------------------------------ */
+/* ---- the ops of a step ---------------------------------------------------------------------- */
 
 typedef struct {
     DlContext *ctx;
@@ -741,9 +742,9 @@ static int attend(const Step *st, const DlLayer *L, const void *q, int64_t B, co
  *         these threads.
  *
  * Returns 0; -1 when scratch memory cannot be allocated (or B exceeds the context); -3 when the
- * context was freed; -2 when a kernel fails (the skinny GEMM's or the attention's scratch allocation). x is then partly updated
- * and the caches may hold some layers' new K/V for these slots: nothing reads them before a step
- * that computes these tokens again rewrites them.
+ * context was freed; -2 when a kernel fails (the skinny GEMM's or the attention's scratch
+ * allocation). x is then partly updated and the caches may hold some layers' new K/V for these
+ * slots: nothing reads them before a step that computes these tokens again rewrites them.
  */
 static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
                          const int64_t *slots, const int32_t *tables, int64_t table_stride,

@@ -19,8 +19,8 @@
  * rather than 16 with 4 thrown away (bf16, SmolLM2-135M, Zen 4, one thread: 12 rows 24.8 -> 17.8
  * ms for the 30 layers and the LM head; 4 rows 24.5 -> 12.2 ms).
  *
- * x is first copied interleaved (pd_skinny_prepare, pack_rows), so that the 16 rows' operands of one k
- * step are adjacent and reached from one pointer: reading each row through its own pointer
+ * x is first copied interleaved (pd_skinny_prepare, pack_rows), so that the 16 rows' operands of
+ * one k step are adjacent and reached from one pointer: reading each row through its own pointer
  * spilled those pointers out of the general registers at 16 rows (bf16, the 30 layers and LM
  * head, one thread, in one interleaved run: 16 rows 25.5-26.3 -> 22.9-23.8 ms, 14 rows 21.8-22.2
  * -> 20.0-20.2 ms, fp32 16 rows 48.6 -> 42.1 ms; 8 rows and fewer unchanged, bound by DRAM).
@@ -81,11 +81,11 @@ int pd_skinny_bf16_available(void) {
 
 /* One register block of a fixed row count mr: rows [0, mr) of x times one panel -> the panel's
  * ncols columns of y (row stride ldy); bias: the panel's ncols entries or NULL. x comes
- * interleaved by pd_skinny_prepare (see pack_rows): xt[s][r] is row r's 4-byte word of k step s (an fp32
- * element, or a bf16 pair), so every row's operand of a step sits at a constant offset from one
- * pointer: each multiply-add takes it as an embedded broadcast, with no per-row pointer to keep
- * in a register (16 of them spilled, and cost ~25% of the kernel's time on Zen 4). Each dtype
- * has one block per mr in 1 .. MR (a table indexed by mr - 1), so one driver serves both. */
+ * interleaved by pd_skinny_prepare (see pack_rows): xt[s][r] is row r's 4-byte word of k step s
+ * (an fp32 element, or a bf16 pair), so every row's operand of a step sits at a constant offset
+ * from one pointer: each multiply-add takes it as an embedded broadcast, with no per-row pointer
+ * to keep in a register (16 of them spilled, and cost ~25% of the kernel's time on Zen 4). Each
+ * dtype has one block per mr in 1 .. MR (a table indexed by mr - 1), so one driver serves both. */
 typedef void (*block_fn)(const void *xt, const void *panel, int64_t k, const void *bias, void *y,
                          int64_t ldy, int ncols);
 
