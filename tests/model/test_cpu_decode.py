@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -300,6 +301,22 @@ def _decode_run(
     return torch.stack(out), r.kv_pool.kv.clone()
 
 
+def _until_helper_counted(
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]], counter: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+    """Call ``run`` (at least once) until the helper's counter ``counter`` of
+    :func:`cpu_decode.helper_stats` has grown, for at most 60 s: the helper runs only when a CPU
+    is free for it (SCHED_IDLE), which on a busy machine may take a few runs. Returns the runs'
+    results and whether the counter grew."""
+    start = cpu_decode.helper_stats()[counter]
+    runs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    deadline = time.monotonic() + 60
+    while not runs or (cpu_decode.helper_stats()[counter] == start and time.monotonic() < deadline):
+        runs.append(run())
+        gc.collect()  # the run's runner goes (its context free waits for the helper)
+    return runs, cpu_decode.helper_stats()[counter] > start
+
+
 def _one_thread() -> int:
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the helper only joins single-threaded steps
@@ -318,15 +335,12 @@ def test_the_helper_changes_no_bit(name: str, dtype: str, monkeypatch: pytest.Mo
     before = _one_thread()
     try:
         off = _decode_run(model, dtype, lens.tolist(), 4, False, monkeypatch)
-        # until the helper has computed chunks (it runs only when a CPU is free for it)
-        done0, _ = cpu_decode.helper_stats()
-        runs, deadline = [], time.monotonic() + 60
-        while not runs or (cpu_decode.helper_stats()[0] == done0 and time.monotonic() < deadline):
-            runs.append(_decode_run(model, dtype, lens.tolist(), 4, True, monkeypatch))
-        done1, _ = cpu_decode.helper_stats()
+        runs, computed = _until_helper_counted(
+            lambda: _decode_run(model, dtype, lens.tolist(), 4, True, monkeypatch), counter=0
+        )
     finally:
         torch.set_num_threads(before)
-    assert done1 > done0
+    assert computed  # the helper computed chunks
     for on in runs:
         assert torch.equal(on[0], off[0])
         assert torch.equal(on[1], off[1])
@@ -341,20 +355,15 @@ def test_late_helper_chunks_are_taken_back(monkeypatch: pytest.MonkeyPatch) -> N
     before = _one_thread()
     try:
         off = _decode_run(SMOL, "bfloat16", lens, 3, False, monkeypatch)
-        _, back0 = cpu_decode.helper_stats()
         cpu_decode.set_helper_delay(0.003)
-        # the helper only claims chunks when a CPU is free for it (SCHED_IDLE): on a busy machine
-        # that may take a few runs
-        runs, deadline = [], time.monotonic() + 60
-        while cpu_decode.helper_stats()[1] == back0 and time.monotonic() < deadline:
-            runs.append(_decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch))
-            gc.collect()  # the runner goes (its context free waits for the napping helper)
-        _, back1 = cpu_decode.helper_stats()
+        runs, taken_back = _until_helper_counted(
+            lambda: _decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch), counter=1
+        )
         runs.append(_decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch))
     finally:
         cpu_decode.set_helper_delay(0.0)
         torch.set_num_threads(before)
-    assert back1 > back0
+    assert taken_back  # the step took the napping helper's chunks back
     for run in runs:
         assert torch.equal(run[0], off[0])
         assert torch.equal(run[1], off[1])
