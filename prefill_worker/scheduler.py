@@ -2,7 +2,7 @@
 
 Each ``schedule()`` call packs prompt chunks of several requests into one step under the prefill
 step budget B (:func:`pdserve.config.prefill_step_budget`: ``prefill_max_num_batched_tokens``, by
-default at most 256 tokens on a CPU) and ``max_num_seqs``.
+default at most 320 tokens on a CPU) and ``max_num_seqs``.
 
 Policy (short prompts never wait for whole long prompts; long prompts always progress):
 
@@ -14,10 +14,12 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   queue. A short request takes its whole remainder while budget lasts (a remainder the budget
   cuts continues in the next step that runs short prompts, ahead of later ones). Long requests
   **share at most S = min(T, B) tokens per step** between them, the earliest first, and get no
-  more even when the rest of the budget is unused: every step then computes at most S tokens of
-  long prompts, so a short prompt arriving during a step waits for one such step, never for a
-  whole long prompt (a step's time grows with its tokens, and on a CPU faster than linearly with
-  a chunk's attention context). A waiting long
+  more even when the rest of the budget is unused, with one exception: a long prompt whose
+  remainder fits the step's budget and is at most a quarter over the share left takes it whole
+  (its final chunk; :func:`long_chunk`), so no prompt ends with a small chunk in a step of its
+  own. Every step then computes at most 5/4 S tokens of long prompts, so a short prompt arriving during a step waits for
+  one such step, never for a whole long prompt (a step's time grows with its tokens, and on a CPU
+  faster than linearly with a chunk's attention context). A waiting long
   request that finds the long share used up is passed over (it keeps its place), so shorter
   prompts behind it still run.
 * **Long chunks alternate with short-only steps while short prompts wait**: a step that follows
@@ -33,18 +35,16 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 
 The bounds (given KV room and ``max_num_seqs``):
 
-* Short prompts: every step gives at most S tokens to long prompts, and a step with long tokens
-  is followed by one without while short prompts are queued, so the short prompts, served in
-  arrival order, get at least ``B - S`` tokens of every step and at least ``B`` of every two
+* Short prompts: a step with long tokens is followed by one without while short prompts are
+  queued, so the short prompts, served in arrival order, get at least ``B`` tokens of every two
   consecutive steps while any is queued. A short prompt with ``r`` tokens to compute, arriving
   while short prompts with ``A`` tokens to compute are ahead of it, is fully scheduled within
-  ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
-  ``ceil((A + r) / (B - S))`` when ``S < B``, however many long prompts are queued. (A waiting
-  request's class is decided at admission: one that arrived earlier and turns short through a
-  new prefix-cache hit counts in ``A``.)
-* Long prompts (no starvation): they are served in admission order at up to S tokens per step,
-  so once every request admitted before it is done, a long prompt gains ``min(S, remaining)``
-  tokens in every step that follows a step without long tokens, and in every step in which no
+  ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, however many long
+  prompts are queued. (A waiting request's class is decided at admission: one that arrived
+  earlier and turns short through a new prefix-cache hit counts in ``A``.)
+* Long prompts (no starvation): they are served in admission order at up to S tokens per step
+  (their final chunk up to 5/4 S), so once every request admitted before it is done, a long prompt
+  gains at least ``min(S, remaining)`` tokens in every step that follows a step without long tokens, and in every step in which no
   short prompt can run: at least every other step, whatever short prompts keep arriving (with
   ``S > B / 2``, short prompts admitted while it waited may take part of such a step first).
 
@@ -95,6 +95,26 @@ def default_long_threshold(max_num_batched_tokens: int) -> int:
     (:attr:`PrefillScheduler.long_share`); the class threshold itself is not capped, so a small
     step budget does not turn every prompt into a long one."""
     return max(1, max_num_batched_tokens // LONG_SHARE_DIVISOR)
+
+
+FINAL_CHUNK_SLACK = 4
+"""A long prompt's final chunk may exceed the long share left by up to 1 / FINAL_CHUNK_SLACK of
+it (:func:`long_chunk`)."""
+
+
+def long_chunk(remaining: int, budget: int, long_left: int) -> int:
+    """Tokens a long prompt with ``remaining`` tokens to compute gets in a step with ``budget``
+    tokens left and ``long_left`` of the long prompts' share left: nothing once the share is used
+    up; its whole remainder when that fits the budget and is at most a quarter over the share
+    left (its final chunk); else at most the share. So a prompt does not end with a small chunk
+    in a step of its own: a CPU step reads all the weights however few tokens it holds
+    (SmolLM2-135M bf16, one core: a 256-token chunk 105-110 ms, the 21-24 tokens left of a
+    280-token prompt another 45 ms; session 19, docs/benchmarks.md)."""
+    if long_left <= 0:
+        return 0
+    if remaining <= min(budget, long_left + long_left // FINAL_CHUNK_SLACK):
+        return remaining
+    return min(remaining, budget, long_left)
 
 
 class PrefillScheduler:
@@ -219,8 +239,8 @@ class PrefillScheduler:
                 break
             n = min(seq.num_remaining_prompt_tokens, budget)
             if seq.is_long:
-                n = min(n, long_left)
-                long_left -= n
+                n = long_chunk(seq.num_remaining_prompt_tokens, budget, long_left)
+                long_left = max(0, long_left - n)
             if n > 0:
                 picks[seq] = n
                 budget -= n
@@ -238,8 +258,8 @@ class PrefillScheduler:
                 break  # memory is FCFS: nothing behind it may overtake
             n = min(remaining, budget)
             if is_long:
-                n = min(n, long_left)
-                long_left -= n
+                n = long_chunk(remaining, budget, long_left)
+                long_left = max(0, long_left - n)
             picks[seq] = n
             budget -= n
         return picks

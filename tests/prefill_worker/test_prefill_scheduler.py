@@ -72,7 +72,7 @@ def test_default_long_share_is_an_eighth_of_the_budget() -> None:
 
 def test_prefill_step_budget_is_capped_on_cpu_unless_set() -> None:
     default = SchedulerConfig()  # max_num_batched_tokens 2048
-    assert prefill_step_budget(default, "cpu") == CPU_PREFILL_STEP_TOKENS == 256
+    assert prefill_step_budget(default, "cpu") == CPU_PREFILL_STEP_TOKENS == 320
     assert prefill_step_budget(default, "cuda") == 2048
     small = SchedulerConfig(max_num_batched_tokens=128)
     assert prefill_step_budget(small, "cpu") == 128  # never above max_num_batched_tokens
@@ -161,6 +161,26 @@ def test_long_chunks_alternate_with_short_steps_under_a_stream_of_short_prompts(
     # it arrived, in a step without long tokens when the step before had some
     assert [st.get("long", 0) for st in steps] == [100, 0, 100, 0, 100, 0, 100, 0]
     assert all(st.get(f"short{i}") == 20 for i, st in enumerate(steps))
+
+
+def test_a_long_prompts_final_chunk_may_run_a_quarter_over_the_share() -> None:
+    # the default CPU step: share 256, budget 320; a 280-token prompt runs whole, not 256 + 24
+    s = _sched(batched=2048, threshold=0)
+    s.step_budget = CPU_PREFILL_STEP_TOKENS
+    s.long_share = min(s.long_threshold, s.step_budget)
+    _add(s, "p280", 280)
+    assert _step(s) == {"p280": 280}
+    # over 5/4 of the share: chunks of the share until the rest fits (1000 = 256 * 3 + 232)
+    _add(s, "p1000", 1000, base=5000)
+    assert [_step(s) for _ in range(4)] == [{"p1000": 256}] * 3 + [{"p1000": 232}]
+    # two long prompts: a's final 200 leave 56 of the share, so b gets 56 (its 330 are over
+    # 5/4 of what is left), then its final 274 in one step
+    _add(s, "a", 456, base=10000)
+    _add(s, "b", 330, base=20000)
+    assert _step(s) == {"a": 256}
+    assert _step(s) == {"a": 200, "b": 56}
+    assert _step(s) == {"b": 274}
+    assert not s.has_unscheduled_work()
 
 
 def test_long_class_is_kept_to_the_last_chunk() -> None:

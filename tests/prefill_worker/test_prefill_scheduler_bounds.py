@@ -2,14 +2,16 @@
 
 A simulation adds random prompts between steps and runs every step as if computed, checking:
 
-* no step computes more than ``B`` tokens, nor more than ``T`` tokens of long prompts;
+* no step computes more than ``B`` tokens, nor more than ``L = T + T // 4`` tokens of long
+  prompts (a long prompt's final chunk may run a quarter over the share);
 * a short prompt with ``r`` tokens to compute, arriving after step ``k - 1`` while short prompts
   with ``A`` tokens to compute are ahead of it, has its last chunk in step
-  ``k - 1 + 2 * ceil((A + r) / B)`` at the latest, and ``k - 1 + ceil((A + r) / (B - T))`` when
-  ``T < B``, however many long prompts are queued;
+  ``k - 1 + 2 * ceil((A + r) / B)`` at the latest, and ``k - 1 + ceil((A + r) / (B - L))`` when
+  ``L < B``, however many long prompts are queued;
 * long chunks alternate with short-only steps: a step after one with long tokens carries none
   while a short prompt is live;
-* no starvation: the earliest-arrived long prompt gains ``min(T, remaining)`` tokens in every step
+* no starvation: the earliest-arrived long prompt gains ``min(T, remaining)`` tokens (its whole
+  remainder when that is at most ``min(B, L)``) in every step
   where no short prompt that arrived before it is still live and either the step before carried
   no long tokens or no short prompt is live (``T <= B / 2``; with a larger share it gains tokens in
   at least one of any two such steps), and every prompt finishes.
@@ -53,6 +55,7 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
     total = sum(map(sum, arrivals))
     s = PrefillScheduler(cfg, KVCacheManager(total // 16 + 64, 16, enable_prefix_caching=False))
     assert s.long_threshold == threshold
+    long_max = threshold + threshold // 4  # L: a final chunk may run a quarter over the share
     live: list[_Tracked] = []
     prev_had_long = False
     missed_key, misses = "", 0  # eligible steps in a row without progress for the earliest long
@@ -66,8 +69,8 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
             ahead = sum(t.seq.num_remaining_prompt_tokens for t in live if not t.is_long)
             is_long = n > threshold
             steps = 2 * -(-(ahead + n) // budget)
-            if threshold < budget:
-                steps = min(steps, -(-(ahead + n) // (budget - threshold)))
+            if long_max < budget:
+                steps = min(steps, -(-(ahead + n) // (budget - long_max)))
             live.append(_Tracked(seq, base, is_long, None if is_long else step - 1 + steps))
             s.add(seq)
         earliest_long = next((t for t in live if t.is_long), None)
@@ -80,11 +83,8 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
         )
         # with a share above half the step, shorts admitted while it waited may take some first
         starved_check = eligible and 2 * threshold <= budget
-        want_long = (
-            min(threshold, earliest_long.seq.num_remaining_prompt_tokens)
-            if earliest_long is not None
-            else 0
-        )
+        rest = earliest_long.seq.num_remaining_prompt_tokens if earliest_long is not None else 0
+        want_long = rest if rest <= min(budget, long_max) else min(threshold, rest)
 
         out = s.schedule()
         chunks = {
@@ -93,7 +93,7 @@ def _simulate(budget: int, threshold: int, arrivals: list[list[int]]) -> None:
         assert out.num_scheduled_tokens <= budget
         longs = {t.seq.request_id for t in live if t.is_long}
         long_tokens = sum(n for rid, n in chunks.items() if rid in longs)
-        assert long_tokens <= threshold, (step, chunks)
+        assert long_tokens <= long_max, (step, chunks)
         if short_only:
             assert long_tokens == 0, (step, chunks)
         prev_had_long = long_tokens > 0
