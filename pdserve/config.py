@@ -323,8 +323,8 @@ CPU_PREFILL_STEP_TOKENS = 320
 the default ``max_num_batched_tokens``) and the quarter more a long prompt's final chunk may take
 (:func:`prefill_worker.scheduler.long_chunk`), so a prompt a little over 256 tokens runs in
 one step instead of a full one and a small one that reads all the weights again (session 19: a
-280-token bf16 prompt 256 + 24 tokens took 105-110 + 45 ms on one core; served main workload,
-disaggregated bf16, 426.9 against 403.8-409.8 tok/s with the prompts in one step;
+280-token bf16 prompt as 256 + 24 tokens took 105-123 + 45-47 ms on one core, whole ~120 ms;
+served main workload, disaggregated bf16, 418.4 / 417.7 against 403.8-409.8 tok/s; session 19 of
 docs/benchmarks.md). Why not much more: a CPU's cost per prompt token stops falling at a
 few hundred tokens a step (measured, SmolLM2-135M bf16, one thread, compiled: 1.04 ms per token in
 a 64-token step, 0.61 at 256, 0.49-0.57 at 512-2048), so a bigger step buys little throughput
