@@ -272,7 +272,7 @@ class SchedulerConfig:
     prefills it caps the prompt tokens of a step that also decodes (0 =
     ``max_num_batched_tokens // 2``).
     ``prefill_max_num_batched_tokens``: a prefill worker's tokens per step (0 = automatic: on a
-    CPU ``min(max_num_batched_tokens, 256)``, elsewhere ``max_num_batched_tokens``; see
+    CPU ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)`` (320), elsewhere ``max_num_batched_tokens``; see
     :func:`prefill_step_budget`).
     ``local_prefill_thread``: a decode worker that prefills locally (unified mode) computes its
     prompts on a thread of their own, concurrently with the decode steps, each thread on half of
@@ -325,7 +325,9 @@ the default ``max_num_batched_tokens``) and the quarter more a long prompt's fin
 one step instead of a full one and a small one that reads all the weights again (session 19: a
 280-token bf16 prompt as 256 + 24 tokens took 105-123 + 45-47 ms on one core, whole ~120 ms;
 served main workload, disaggregated bf16, 418.4 / 417.7 against 403.8-409.8 tok/s; session 19 of
-docs/benchmarks.md). Why not much more: a CPU's cost per prompt token stops falling at a
+docs/benchmarks.md). A decode worker's prefill thread (unified mode) takes the same budget, with
+no long share and so no final-chunk rule; its 320-token steps were measured only in the session 19
+suite run, not against 256. Why not much more: a CPU's cost per prompt token stops falling at a
 few hundred tokens a step (measured, SmolLM2-135M bf16, one thread, compiled: 1.04 ms per token in
 a 64-token step, 0.61 at 256, 0.49-0.57 at 512-2048), so a bigger step buys little throughput
 while every prompt in it waits for the whole batch: a burst of eight 64-token prompts computed as

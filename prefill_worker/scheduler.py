@@ -16,8 +16,9 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   **share at most S = min(T, B) tokens per step** between them, the earliest first, and get no
   more even when the rest of the budget is unused, with one exception: a long prompt whose
   remainder fits the step's budget and is at most a quarter over the share left takes it whole
-  (its final chunk; :func:`long_chunk`), so no prompt ends with a small chunk in a step of its
-  own. Every step then computes at most 5/4 S tokens of long prompts, so a short prompt arriving during a step waits for
+  (its final chunk; :func:`long_chunk`), so where the step's budget allows, a prompt does not
+  end with a small chunk in a step of its own. Every step then computes at most L = S + S // 4
+  tokens of long prompts, so a short prompt arriving during a step waits for
   one such step, never for a whole long prompt (a step's time grows with its tokens, and on a CPU
   faster than linearly with a chunk's attention context). A waiting long
   request that finds the long share used up is passed over (it keeps its place), so shorter
@@ -35,15 +36,16 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 
 The bounds (given KV room and ``max_num_seqs``):
 
-* Short prompts: a step with long tokens is followed by one without while short prompts are
-  queued, so the short prompts, served in arrival order, get at least ``B`` tokens of every two
+* Short prompts: every step gives at most L tokens to long prompts, and a step with long tokens
+  is followed by one without while short prompts are queued, so the short prompts, served in
+  arrival order, get at least ``B - L`` tokens of every step and at least ``B`` of every two
   consecutive steps while any is queued. A short prompt with ``r`` tokens to compute, arriving
   while short prompts with ``A`` tokens to compute are ahead of it, is fully scheduled within
-  ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, however many long
-  prompts are queued. (A waiting request's class is decided at admission: one that arrived
+  ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
+  ``ceil((A + r) / (B - L))`` when ``L < B``, however many long prompts are queued. (A waiting request's class is decided at admission: one that arrived
   earlier and turns short through a new prefix-cache hit counts in ``A``.)
 * Long prompts (no starvation): they are served in admission order at up to S tokens per step
-  (their final chunk up to 5/4 S), so once every request admitted before it is done, a long prompt
+  (their final chunk up to L), so once every request admitted before it is done, a long prompt
   gains at least ``min(S, remaining)`` tokens in every step that follows a step without long tokens, and in every step in which no
   short prompt can run: at least every other step, whatever short prompts keep arriving (with
   ``S > B / 2``, short prompts admitted while it waited may take part of such a step first).

@@ -172,7 +172,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-max-num-batched-tokens",
         type=int,
         default=SchedulerConfig.prefill_max_num_batched_tokens,
-        help="tokens computed per step on prefill workers (0 = automatic: on a CPU at most 320, "
+        help="tokens computed per step on prefill workers and unified mode's prefill thread "
+        "(0 = automatic: on a CPU at most 320, "
         "where bigger prefill batches cost as much per token and only make every prompt of a "
         "burst wait for the whole batch; elsewhere --max-num-batched-tokens)",
     )

@@ -165,9 +165,9 @@ def test_long_chunks_alternate_with_short_steps_under_a_stream_of_short_prompts(
 
 def test_a_long_prompts_final_chunk_may_run_a_quarter_over_the_share() -> None:
     # the default CPU step: share 256, budget 320; a 280-token prompt runs whole, not 256 + 24
-    s = _sched(batched=2048, threshold=0)
-    s.step_budget = CPU_PREFILL_STEP_TOKENS
-    s.long_share = min(s.long_threshold, s.step_budget)
+    cfg = SchedulerConfig()  # max_num_batched_tokens 2048: threshold 256
+    s = PrefillScheduler(cfg, KVCacheManager(256, BS), step_budget=prefill_step_budget(cfg, "cpu"))
+    assert (s.step_budget, s.long_share) == (CPU_PREFILL_STEP_TOKENS, 256)
     _add(s, "p280", 280)
     assert _step(s) == {"p280": 280}
     # over 5/4 of the share: chunks of the share until the rest fits (1000 = 256 * 3 + 232)
