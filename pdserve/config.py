@@ -272,8 +272,8 @@ class SchedulerConfig:
     prefills it caps the prompt tokens of a step that also decodes (0 =
     ``max_num_batched_tokens // 2``).
     ``prefill_max_num_batched_tokens``: a prefill worker's tokens per step (0 = automatic: on a
-    CPU ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)`` (320), elsewhere ``max_num_batched_tokens``; see
-    :func:`prefill_step_budget`).
+    CPU ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, i.e. 320, elsewhere
+    ``max_num_batched_tokens``; see :func:`prefill_step_budget`).
     ``local_prefill_thread``: a decode worker that prefills locally (unified mode) computes its
     prompts on a thread of their own, concurrently with the decode steps, each thread on half of
     the worker's CPU threads, instead of as chunks inside the decode steps (None = automatic: on

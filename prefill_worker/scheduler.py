@@ -18,11 +18,10 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   remainder fits the step's budget and is at most a quarter over the share left takes it whole
   (its final chunk; :func:`long_chunk`), so where the step's budget allows, a prompt does not
   end with a small chunk in a step of its own. Every step then computes at most L = S + S // 4
-  tokens of long prompts, so a short prompt arriving during a step waits for
-  one such step, never for a whole long prompt (a step's time grows with its tokens, and on a CPU
-  faster than linearly with a chunk's attention context). A waiting long
-  request that finds the long share used up is passed over (it keeps its place), so shorter
-  prompts behind it still run.
+  tokens of long prompts, so a short prompt arriving during a step waits for one such step,
+  never for a whole long prompt (a step's time grows with its tokens, and on a CPU faster than
+  linearly with a chunk's attention context). A waiting long request that finds the long share
+  used up is passed over (it keeps its place), so shorter prompts behind it still run.
 * **Long chunks alternate with short-only steps while short prompts wait**: a step that follows
   one which carried long tokens carries none itself when any short prompt can run. A short
   prompt that arrives during a long chunk's step then runs in a step of short prompts alone,
@@ -42,13 +41,15 @@ The bounds (given KV room and ``max_num_seqs``):
   consecutive steps while any is queued. A short prompt with ``r`` tokens to compute, arriving
   while short prompts with ``A`` tokens to compute are ahead of it, is fully scheduled within
   ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
-  ``ceil((A + r) / (B - L))`` when ``L < B``, however many long prompts are queued. (A waiting request's class is decided at admission: one that arrived
-  earlier and turns short through a new prefix-cache hit counts in ``A``.)
+  ``ceil((A + r) / (B - L))`` when ``L < B``, however many long prompts are queued. (A waiting
+  request's class is decided at admission: one that arrived earlier and turns short through a
+  new prefix-cache hit counts in ``A``.)
 * Long prompts (no starvation): they are served in admission order at up to S tokens per step
   (their final chunk up to L), so once every request admitted before it is done, a long prompt
-  gains at least ``min(S, remaining)`` tokens in every step that follows a step without long tokens, and in every step in which no
-  short prompt can run: at least every other step, whatever short prompts keep arriving (with
-  ``S > B / 2``, short prompts admitted while it waited may take part of such a step first).
+  gains at least ``min(S, remaining)`` tokens in every step that follows a step without long
+  tokens, and in every step in which no short prompt can run: at least every other step,
+  whatever short prompts keep arriving (with ``S > B / 2``, short prompts admitted while it
+  waited may take part of such a step first).
 
 With ``enable_chunked_prefill=False`` a prompt runs whole in one step (no classes, no S cap;
 config ensures ``B >= max_model_len``).
@@ -108,9 +109,9 @@ def long_chunk(remaining: int, budget: int, long_left: int) -> int:
     """Tokens a long prompt with ``remaining`` tokens to compute gets in a step with ``budget``
     tokens left and ``long_left`` of the long prompts' share left: nothing once the share is used
     up; its whole remainder when that fits the budget and is at most a quarter over the share
-    left (its final chunk); else at most the share. So a prompt does not end with a small chunk
-    in a step of its own: a CPU step reads all the weights however few tokens it holds
-    (SmolLM2-135M bf16, one core: a 256-token chunk 105-123 ms, the 24 tokens left of a
+    left (its final chunk); else at most the share. So, where the budget allows, a prompt does
+    not end with a small chunk in a step of its own: a CPU step reads all the weights however
+    few tokens it holds (SmolLM2-135M bf16, one core: a 256-token chunk 105-123 ms, the 24 tokens left of a
     280-token prompt another 45-47 ms; session 19, docs/benchmarks.md)."""
     if long_left <= 0:
         return 0
