@@ -111,8 +111,8 @@ def long_chunk(remaining: int, budget: int, long_left: int) -> int:
     up; its whole remainder when that fits the budget and is at most a quarter over the share
     left (its final chunk); else at most the share. So, where the budget allows, a prompt does
     not end with a small chunk in a step of its own: a CPU step reads all the weights however
-    few tokens it holds (SmolLM2-135M bf16, one core: a 256-token chunk 105-123 ms, the 24 tokens left of a
-    280-token prompt another 45-47 ms; session 19, docs/benchmarks.md)."""
+    few tokens it holds (SmolLM2-135M bf16, one core: a 256-token chunk 105-123 ms, the 24
+    tokens left of a 280-token prompt another 45-47 ms; session 19, docs/benchmarks.md)."""
     if long_left <= 0:
         return 0
     if remaining <= min(budget, long_left + long_left // FINAL_CHUNK_SLACK):
