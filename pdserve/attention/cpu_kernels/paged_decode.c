@@ -1077,6 +1077,33 @@ typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 /* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
 static int pd_prefill_amx_enabled = 1;
 
+/* Transposes the 16 x 16 floats of r in place (r[i][j] <-> r[j][i]): pairs of rows interleaved,
+ * then quads within each 128-bit lane, then the 128-bit lanes across the four row groups. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+        u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xee);
+        u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88); /* lanes 0, 2 */
+        const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd); /* lanes 1, 3 */
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512 e = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        r[4 + k] = _mm512_shuffle_f32x4(b, e, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(b, e, 0xdd);
+    }
+}
+
 /* One span's K and V of one KV head, laid out for the tile loads of prefill_item_amx: kc [n][D]
  * (rows of keys 0 .. n-1 gathered from the pages) and vt [D][n] (V transposed), n the span's
  * context rounded up to AKT, the rows past its context zero (never the pool's rows there). */
@@ -1085,14 +1112,34 @@ static void amx_gather(const Cache *c, const int32_t *table, int64_t ctx, int64_
     const int D = c->head_dim;
     const int64_t head_off = (int64_t)kvh * D * 2;
     for (int64_t j = 0; j < n; j++) {
-        if (j < ctx) {
-            const int64_t off = row_offset(c, table, j) + head_off;
-            const uint16_t *v = (const uint16_t *)(c->v + off);
-            memcpy(kc + j * D, c->k + off, (size_t)D * 2);
-            for (int d = 0; d < D; d++) vt[d * n + j] = v[d];
-        } else {
+        if (j < ctx)
+            memcpy(kc + j * D, c->k + row_offset(c, table, j) + head_off, (size_t)D * 2);
+        else
             memset(kc + j * D, 0, (size_t)D * 2);
-            for (int d = 0; d < D; d++) vt[d * n + j] = 0;
+    }
+    /* V^T, 32 keys x 16 dims at a time (n is a multiple of AKT): keys 2p and 2p + 1 side by side
+     * in 32-bit lane d of r[p] (low and high half, i.e. their order in vt's rows), then the 16 x 16
+     * transpose leaves in r[d] the 32 keys' values of dim d0 + d: one 64-byte store each */
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const uint16_t *rows[32];
+        for (int i = 0; i < 32; i++)
+            rows[i] = j0 + i < ctx
+                          ? (const uint16_t *)(c->v + row_offset(c, table, j0 + i) + head_off)
+                          : NULL;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int p = 0; p < 16; p++) {
+                const __m512i lo = rows[2 * p] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                     (const __m256i *)(rows[2 * p] + d0)))
+                                               : _mm512_setzero_si512();
+                const __m512i hi = rows[2 * p + 1]
+                                       ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             (const __m256i *)(rows[2 * p + 1] + d0)))
+                                       : _mm512_setzero_si512();
+                r[p] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            transpose16(r);
+            for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(vt + (d0 + d) * n + j0), r[d]);
         }
     }
 }
@@ -1108,7 +1155,10 @@ static void amx_gather(const Cache *c, const int32_t *table, int64_t ctx, int64_
  * thread may run oneDNN's AMX kernels in between, which configure their own). One layer, one
  * thread, SmolLM2 shapes, on a 2-core AMX Xeon (bench/prefill_attention.py --baseline-rev, the
  * VDPBF16PS path): 0.566 vs 1.349 ms (270-token prompt), 1.020 vs 3.092 (256 after 256 cached);
- * a whole 256-token prefill forward 101 vs 117 ms (docs/benchmarks.md, session 16). */
+ * a whole 256-token prefill forward 101 vs 117 ms (docs/benchmarks.md, session 16). The output's
+ * transpose and amx_gather's V^T in 16 x 16 blocks of 32-bit lanes (session 20) instead of one
+ * element at a time: 0.53 vs 0.73 ms a layer (280-token prompt), 0.93 vs 1.31 (256 after 256),
+ * bit-equal outputs. */
 static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint16_t *vt,
                              int64_t n, const char *q, int64_t q_tok, int64_t q_head,
                              int64_t first, int64_t t0, int nr, int kvh, float scale, char *out,
@@ -1233,11 +1283,23 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
         }
     }
     _tile_release();
-    for (int iq = 0; iq < nq; iq++) {
-        const int rb = iq / 16, lane = iq % 16;
-        char *dst = out + ((t0 + iq / G) * o_tok + (int64_t)(kvh * G + iq % G) * o_head) * 2;
-        const float inv = 1.0f / l[rb][lane];
-        for (int d = 0; d < D; d++) store_one(dst, d, ot[rb][16 * d + lane] * inv, PD_BF16);
+    /* O = O^T transposed, each query's row divided by its softmax sum and rounded to bf16, 16
+     * dims x 16 queries at a time (transpose16 / cvtneps2bf16: round to nearest even, as
+     * store_one; the instruction flushes fp32 denormals to zero, which store_one keeps) */
+    for (int rb = 0; rb < nrb; rb++) {
+        const vf inv = 1.0f / vselect((vu32)(l[rb] > 0.0f), l[rb], (vf){0} + 1.0f);
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(ot[rb] + 16 * (d0 + i));
+            transpose16(r);
+            for (int lane = 0; lane < 16 && rb * 16 + lane < nq; lane++) {
+                const int iq = rb * 16 + lane;
+                char *dst = out + ((t0 + iq / G) * o_tok + (int64_t)(kvh * G + iq % G) * o_head +
+                                   d0) * 2;
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(r[lane], _mm512_set1_ps(inv[lane])));
+                memcpy(dst, &h, sizeof h);
+            }
+        }
     }
 }
 #else
