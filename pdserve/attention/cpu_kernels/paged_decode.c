@@ -255,6 +255,33 @@ ALWAYS_INLINE vf oct_sum(vf a, vf b) {
     return (vf)_mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x88),
                              _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xdd));
 }
+
+/* Transposes the 16 x 16 floats of r in place (r[i][j] <-> r[j][i]): pairs of rows interleaved,
+ * then quads within each 128-bit lane, then the 128-bit lanes across the four row groups. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+        u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xee);
+        u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88); /* lanes 0, 2 */
+        const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd); /* lanes 1, 3 */
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512 e = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        r[4 + k] = _mm512_shuffle_f32x4(b, e, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(b, e, 0xdd);
+    }
+}
 #endif
 
 /* s[g * ss + j] = sscale * (q_g . k_j) for the `cnt` tokens of a tile (K rows at kp, `step`
@@ -786,6 +813,9 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
  * With bf16 queries and K/V on a CPU with AVX512_BF16, both matmuls take VDPBF16PS instead, in
  * tiles of 64 keys (prefill_item_dp); on a CPU with AMX, the tile unit (prefill_item_amx).
  *
+ * With 16-float vectors each tile's K^T is built 16 x 16 floats at a time (transpose16): fp32,
+ * 280-token prompt, one thread, AMX Xeon: 1.65 vs 1.82 ms a layer, bit-equal (session 20).
+ *
  * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
  * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA; the bf16
  * path (session 15, bench/prefill_attention.py) against the fp32 one: docs/benchmarks.md.
@@ -843,6 +873,25 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
     const int64_t last = first + t0 + nr - 1; /* the item's last position: keys 0 .. last */
     for (int64_t j0 = 0; j0 <= last; j0 += PK) {
         const int nk = last + 1 - j0 < PK ? (int)(last + 1 - j0) : PK;
+#if VW == 16
+        /* K^T 16 keys x 16 dims at a time (transpose16; PK == VW), V rows as they are */
+        int64_t offs[PK];
+        for (int jj = 0; jj < PK; jj++)
+            offs[jj] = jj < nk ? row_offset(c, table, j0 + jj) / kes + (int64_t)kvh * D : -1;
+        for (int d = 0; d < D; d += VW) {
+            __m512 r[16];
+            for (int jj = 0; jj < PK; jj++) {
+                const vf kx = offs[jj] >= 0 ? load_vec(c->k + (offs[jj] + d) * kes, c->kv_dtype)
+                                            : (vf){0};
+                const vf vx = offs[jj] >= 0 ? load_vec(c->v + (offs[jj] + d) * kes, c->kv_dtype)
+                                            : (vf){0};
+                r[jj] = (__m512)kx;
+                memcpy(V + jj * D + d, &vx, sizeof vx);
+            }
+            transpose16(r);
+            for (int e = 0; e < VW; e++) _mm512_store_ps(Kt + (d + e) * PK, r[e]);
+        }
+#else
         for (int jj = 0; jj < PK; jj++) {
             if (jj < nk) {
                 const int64_t off = row_offset(c, table, j0 + jj) / kes + (int64_t)kvh * D;
@@ -857,6 +906,7 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                 for (int d = 0; d < D; d++) V[jj * D + d] = 0.0f;
             }
         }
+#endif
         for (int i0 = 0; i0 < nq; i0 += PF_QB) {
             const int nb = nq - i0 < PF_QB ? nq - i0 : PF_QB;
             if (pos[i0 + nb - 1] < j0) continue; /* positions grow with iq: all masked */
@@ -1076,33 +1126,6 @@ typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 
 /* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
 static int pd_prefill_amx_enabled = 1;
-
-/* Transposes the 16 x 16 floats of r in place (r[i][j] <-> r[j][i]): pairs of rows interleaved,
- * then quads within each 128-bit lane, then the 128-bit lanes across the four row groups. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    /* u[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
-    for (int g = 0; g < 16; g += 4) {
-        u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
-        u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xee);
-        u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
-        u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xee);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88); /* lanes 0, 2 */
-        const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd); /* lanes 1, 3 */
-        const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-        const __m512 e = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
-        r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-        r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xdd);
-        r[4 + k] = _mm512_shuffle_f32x4(b, e, 0x88);
-        r[12 + k] = _mm512_shuffle_f32x4(b, e, 0xdd);
-    }
-}
 
 /* One span's K and V of one KV head, laid out for the tile loads of prefill_item_amx: kc [n][D]
  * (rows of keys 0 .. n-1 gathered from the pages) and vt [D][n] (V transposed), n the span's
