@@ -132,7 +132,8 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         meta: CpuPagedMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not cpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # each row is written by the kernel or by one prefill span
         d = meta.decode
         if d.num_decodes:

@@ -460,3 +460,36 @@ def test_prefill_on_amx_tiles_matches_the_other_path(
     assert chunks.error(other) < tolerance(torch.bfloat16)
     assert chunks.error(amx) < tolerance(torch.bfloat16)
     assert not on or not torch.equal(amx[1:-1], other[1:-1])  # a different path did run
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_matches_torch_ref(dtype: torch.dtype) -> None:
+    """The C KV write stores what torch_ref's index_copy_ stores, reading k and v as strided
+    views of one packed qkv tensor (as the model hands them over), into shuffled slots."""
+    from pdserve.attention.torch_ref import write_kv as torch_write_kv
+
+    g = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, d, blocks, bs = 37, 6, 2, 32, 12, 8
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    caches = [torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    assert cpu_kernels.write_kv(k, v, caches[0], caches[1], slots)
+    torch_write_kv(k, v, ref[0], ref[1], slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+def test_write_kv_refuses_a_bad_slot_and_leaves_other_cases_to_torch() -> None:
+    k = torch.randn(3, 2, 16)
+    kc, vc = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    with pytest.raises(ValueError, match="outside the caches"):
+        cpu_kernels.write_kv(k, k, kc, vc, torch.tensor([0, 16, 1]))
+    assert not kc.any() and not vc.any()  # nothing written, not even the good slots
+    with pytest.raises(ValueError, match="outside the caches"):
+        cpu_kernels.write_kv(k, k, kc, vc, torch.tensor([0, -1, 1]))
+    # another dtype (torch converts) or int32 slots: not taken, nothing written
+    assert not cpu_kernels.write_kv(k.bfloat16(), k.bfloat16(), kc, vc, torch.tensor([0, 1, 2]))
+    assert not cpu_kernels.write_kv(k, k, kc, vc, torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert not kc.any()

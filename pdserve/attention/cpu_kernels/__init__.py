@@ -288,6 +288,63 @@ class PrefillBatch:
         )
 
 
+_WRITE_KV_ARGTYPES = [
+    _ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64,  # k, its strides, v, its strides
+    _ptr, _ptr, _c_int64,  # k_cache, v_cache, block stride
+    _ptr, _c_int64, _c_int, _c_int, _c_int, _c_int64, _c_int,  # slots, n, shapes, element bytes
+]  # fmt: skip
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Store k, v [num_tokens, kv_heads, head_dim] at the flat slots ``slot_mapping`` (int64
+    [num_tokens]) of the caches [num_blocks, block_size, kv_heads, head_dim], as
+    :func:`pdserve.attention.torch_ref.write_kv` does, with one C loop of row copies. Returns
+    False, writing nothing, where the loop does not apply (the library unavailable, another
+    device, dtypes that differ, a head_dim or cache that is not contiguous, slots not a
+    contiguous int64 vector): the caller then writes with torch. Raises ValueError, writing
+    nothing, for a slot outside the caches."""
+    kl = load()
+    n = k.shape[0] if k.dim() == 3 else -1
+    if (
+        kl.lib is None
+        or n < 0
+        or not (k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu)
+        or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype)
+        or k_cache.dtype not in _DTYPES
+        or v.shape != k.shape
+        or k_cache.dim() != 4
+        or v_cache.shape != k_cache.shape
+        or k.shape[1:] != k_cache.shape[2:]
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+        or k_cache.stride()[1:] != (k_cache.shape[2] * k_cache.shape[3], k_cache.shape[3], 1)
+        or v_cache.stride() != k_cache.stride()
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (n,)
+        or not slot_mapping.is_contiguous()
+    ):
+        return False
+    fn = kl.lib.pd_write_kv
+    if fn.argtypes is None:
+        fn.argtypes = _WRITE_KV_ARGTYPES
+        fn.restype = ctypes.c_int
+    ks, kst, vst = k_cache.shape, k.stride(), v.stride()
+    rc = fn(
+        k.data_ptr(), kst[0], kst[1], v.data_ptr(), vst[0], vst[1],
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        slot_mapping.data_ptr(), n, ks[2], ks[3], ks[1], ks[0], k_cache.element_size(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"a slot of slot_mapping is outside the caches ({ks[0] * ks[1]} slots)")
+    return True
+
+
 def prefill_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether :func:`paged_prefill_attention` takes these shapes (the library loaded here, heads
     a multiple of kv_heads with at most 8 query heads per KV head, head_dim a multiple of 16 up
