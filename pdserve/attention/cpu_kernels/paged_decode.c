@@ -844,7 +844,11 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
  * tiles of 64 keys (prefill_item_dp); on a CPU with AMX, the tile unit (prefill_item_amx).
  *
  * With 16-float vectors each tile's K^T is built 16 x 16 floats at a time (transpose16): fp32,
- * 280-token prompt, one thread, AMX Xeon: 1.65 vs 1.82 ms a layer, bit-equal (session 20).
+ * 280-token prompt, one thread, AMX Xeon: 1.65 vs 1.82 ms a layer, bit-equal; and tiles of 64
+ * keys instead of 16 (one online-softmax update per 64 keys), four query vectors at a time:
+ * 1.35-1.43 vs 1.50-1.62 ms (256 after 256 cached: 2.95-3.01 vs 3.40-3.51), outputs within
+ * rounding of the 16-key tiles' (2.4e-7 at most in bench/prefill_attention.py's cases). Narrower
+ * vectors keep 16-key tiles (their 16 registers hold no more accumulators). Session 20.
  *
  * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
  * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA; the bf16
@@ -852,11 +856,11 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
  */
 
 #define PQ 16                 /* query rows per work item */
-#define PK 16                 /* keys per tile */
+#define PK (VW == 16 ? 64 : 16) /* keys per tile (a multiple of 16) */
 #define PKV (PK / VW)         /* vectors per tile row of scores */
 #define PF_MAX_D 128          /* largest head_dim */
 #define PF_MAX_NQ (8 * PQ)    /* largest G x PQ (G <= 8) */
-#define PF_QB (VW == 16 ? 8 : 4) /* query vectors scored together (independent chains) */
+#define PF_QB 4 /* query vectors scored together (independent chains) */
 
 typedef struct {
     int64_t span, kvh, t0;
@@ -904,23 +908,23 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
     for (int64_t j0 = 0; j0 <= last; j0 += PK) {
         const int nk = last + 1 - j0 < PK ? (int)(last + 1 - j0) : PK;
 #if VW == 16
-        /* K^T 16 keys x 16 dims at a time (transpose16; PK == VW), V rows as they are */
+        /* K^T 16 keys x 16 dims at a time (transpose16; PK a multiple of 16), V rows as they are */
         int64_t offs[PK];
         for (int jj = 0; jj < PK; jj++)
             offs[jj] = jj < nk ? row_offset(c, table, j0 + jj) / kes + (int64_t)kvh * D : -1;
-        for (int d = 0; d < D; d += VW) {
-            __m512 r[16];
-            for (int jj = 0; jj < PK; jj++) {
-                const vf kx = offs[jj] >= 0 ? load_vec(c->k + (offs[jj] + d) * kes, c->kv_dtype)
-                                            : (vf){0};
-                const vf vx = offs[jj] >= 0 ? load_vec(c->v + (offs[jj] + d) * kes, c->kv_dtype)
-                                            : (vf){0};
-                r[jj] = (__m512)kx;
-                memcpy(V + jj * D + d, &vx, sizeof vx);
+        for (int j1 = 0; j1 < PK; j1 += 16)
+            for (int d = 0; d < D; d += VW) {
+                __m512 r[16];
+                for (int x = 0; x < 16; x++) {
+                    const int64_t o = offs[j1 + x];
+                    const vf kx = o >= 0 ? load_vec(c->k + (o + d) * kes, c->kv_dtype) : (vf){0};
+                    const vf vx = o >= 0 ? load_vec(c->v + (o + d) * kes, c->kv_dtype) : (vf){0};
+                    r[x] = (__m512)kx;
+                    memcpy(V + (j1 + x) * D + d, &vx, sizeof vx);
+                }
+                transpose16(r);
+                for (int e = 0; e < VW; e++) _mm512_store_ps(Kt + (d + e) * PK + j1, r[e]);
             }
-            transpose16(r);
-            for (int e = 0; e < VW; e++) _mm512_store_ps(Kt + (d + e) * PK, r[e]);
-        }
 #else
         for (int jj = 0; jj < PK; jj++) {
             if (jj < nk) {
