@@ -153,12 +153,15 @@ class KVPool:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         idx = self._index(block_ids, num_tokens)
-        L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
-        # [L, 2, nb, block_size, H, D] (index_select copies) -> [L, 2, nb*block_size, H, D]
-        sel = self.kv.index_select(2, idx).view(L, 2, -1, H, D)
-        if sel.shape[2] == num_tokens:
-            return sel
-        return sel[:, :, :num_tokens].contiguous()
+        L, H, D, bs = self.num_layers, self.num_kv_heads, self.head_dim, self.block_size
+        # one copy: the tokens' slots picked out of [L * 2, num_blocks * block_size, H * D]
+        # (index_select of whole blocks, then slicing off the last block's unused rows, copied
+        # twice: 1.06 vs 0.51 ms for a 280-token bf16 SmolLM2 prompt, 2.4 vs 1.0 ms in fp32)
+        slots = (idx[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+        out = torch.empty(L * 2, num_tokens, H * D, dtype=self.dtype, device=self.device)
+        flat = self.kv.view(L * 2, self.num_blocks * bs, H * D)
+        torch.index_select(flat, 1, slots[:num_tokens], out=out)
+        return out.view(L, 2, num_tokens, H, D)
 
     def scatter(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Write a contiguous ``[num_layers, 2, T, num_kv_heads, head_dim]`` tensor into blocks.
