@@ -819,8 +819,10 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
                              slots[i] % block_size * (int64_t)kv_heads * head_dim) * elem_bytes;
         for (int h = 0; h < kv_heads; h++) {
             const int64_t hd = (int64_t)h * head_dim * elem_bytes;
-            memcpy((char *)k_cache + dst + hd, (const char *)k + (i * k_tok + h * k_head) * elem_bytes, row);
-            memcpy((char *)v_cache + dst + hd, (const char *)v + (i * v_tok + h * v_head) * elem_bytes, row);
+            const char *ks = (const char *)k + (i * k_tok + h * k_head) * elem_bytes;
+            const char *vs = (const char *)v + (i * v_tok + h * v_head) * elem_bytes;
+            memcpy((char *)k_cache + dst + hd, ks, row);
+            memcpy((char *)v_cache + dst + hd, vs, row);
         }
     }
     return 0;
@@ -1196,7 +1198,8 @@ static void amx_gather(const Cache *c, const int32_t *table, int64_t ctx, int64_
                 r[p] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
             transpose16(r);
-            for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(vt + (d0 + d) * n + j0), r[d]);
+            for (int d = 0; d < 16; d++)
+                _mm512_storeu_ps((float *)(vt + (d0 + d) * n + j0), r[d]);
         }
     }
 }
@@ -1353,7 +1356,8 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
                 const int iq = rb * 16 + lane;
                 char *dst = out + ((t0 + iq / G) * o_tok + (int64_t)(kvh * G + iq % G) * o_head +
                                    d0) * 2;
-                const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(r[lane], _mm512_set1_ps(inv[lane])));
+                const __m512 x = _mm512_mul_ps(r[lane], _mm512_set1_ps(inv[lane]));
+                const __m256bh h = _mm512_cvtneps_pbh(x);
                 memcpy(dst, &h, sizeof h);
             }
         }
