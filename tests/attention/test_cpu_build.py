@@ -168,6 +168,8 @@ def test_an_included_header_is_part_of_the_cache_key(
     assert kl.lib is not None and kl.lib.pd_answer() == 7, kl.reason
     header.write_text("#define ANSWER 8\n")
     assert source_text(src) != first
-    monkeypatch.setattr(cpu_build, "_loaded", {})  # as a new process: nothing memoised
+    # as a new process: nothing memoised
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_by_env", {})
     again = load_library(src)
     assert again.lib is not None and again.compiled and again.lib.pd_answer() == 8
