@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import psutil
+from serve_process import free_port as serve_free_port
 from serve_process import stop_process
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -33,10 +34,9 @@ OBJECT_STORE_BYTES = 80 * 1024 * 1024  # the minimum Ray accepts is 75 MiB
 
 
 def free_port() -> int:
-    """A port free on every address (some Ray servers bind all interfaces)."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
+    """A port free on every address (some Ray servers bind all interfaces), never one this
+    process handed out before."""
+    return serve_free_port("0.0.0.0")
 
 
 def _node_ports() -> list[str]:

@@ -21,10 +21,22 @@ SMALL = ["--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-model-len", "
 EAGER = ["--enforce-eager"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Ports handed out in this process: the kernel may give a just-closed port again, so two servers
+# (or two listeners of one, e.g. HTTP and gRPC) could be given the same port. Ray refuses a node
+# whose servers got one port twice (seen once in CI: gcs_server and dashboard_agent_grpc).
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` ("0.0.0.0": on every address), never one this process handed out
+    before."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def stop_process(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
