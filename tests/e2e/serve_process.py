@@ -23,7 +23,8 @@ EAGER = ["--enforce-eager"]
 
 # Ports handed out in this process: the kernel may give a just-closed port again, so two servers
 # (or two listeners of one, e.g. HTTP and gRPC) could be given the same port. Ray refuses a node
-# whose servers got one port twice (seen once in CI: gcs_server and dashboard_agent_grpc).
+# whose servers got one port twice (seen once in a fresh-clone make test: gcs_server and
+# dashboard_agent_grpc).
 _handed_out: set[int] = set()
 
 
