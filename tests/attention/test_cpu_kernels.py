@@ -173,6 +173,45 @@ def test_slots_outside_the_contexts_are_never_used(
         assert pool.error(out) < tolerance(kv_dtype)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (32, 8, 64, 16), (16, 1, 128, 32), (8, 8, 256, 16), (24, 1, 64, 16)],
+    ids=["gqa3-d64", "gqa4-two-passes", "gqa16-d128-bs32", "mha-d256", "gqa24-not-amx"],
+)
+def test_decode_on_amx_tiles_matches_the_other_path(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Where the CPU has AMX, bf16 decode runs on its tiles (attend_range_amx: one pass of up to
+    16 query heads, more KV heads in more passes, split-K and two threads too); it and the
+    VDPBF16PS path both match attention by definition, to the same bound, and slots outside
+    the contexts (NaN here) are never used. Elsewhere the switch reports that AMX is off."""
+    from pdserve.cpu import has_amx_bf16
+
+    lens = [1, 15, 16, 17, 255, 256, 257, 600]
+    pool = Pool(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16, torch.bfloat16, 9)
+    used = torch.zeros(pool.k_cache.shape[:2], dtype=torch.bool)
+    for table, n in zip(pool.tables, pool.lens, strict=True):
+        for t in range(n):
+            used[table[t // pool.block_size], t % pool.block_size] = True
+    pool.k_cache[~used] = float("nan")
+    pool.v_cache[~used] = float("nan")
+    try:
+        assert cpu_kernels.set_decode_amx(False) is False
+        other = pool.run(num_threads=1)
+        on = cpu_kernels.set_decode_amx(True)
+        assert on == (has_amx_bf16() and "-march=native" in cpu_kernels.load().flags)
+        amx = pool.run(num_threads=2)
+        amx_split = pool.run(num_splits=3, num_threads=2)
+    finally:
+        cpu_kernels.set_decode_amx(True)
+    for out in (other, amx, amx_split):
+        assert not out.isnan().any()
+        assert pool.error(out) < tolerance(torch.bfloat16)
+    torch.testing.assert_close(amx_split, amx, atol=2e-2, rtol=2e-2)
+    took_amx = on and heads // kv_heads <= 16
+    assert torch.equal(amx, other) != took_amx  # a different path ran exactly where it fits
+
+
 def test_long_context_bf16() -> None:
     pool = Pool([32768, 3], 4, 1, 64, 16, torch.bfloat16, torch.bfloat16, seed=3)
     assert pool.error(pool.run(num_splits=4, num_threads=2)) < tolerance(torch.bfloat16)

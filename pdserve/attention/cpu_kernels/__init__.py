@@ -353,6 +353,21 @@ def prefill_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
     return kl.lib is not None and bool(kl.lib.pd_paged_prefill_fits(heads, kv_heads, head_dim))
 
 
+def set_decode_amx(on: bool) -> bool:
+    """Let :func:`paged_decode_attention` run bf16 decodes on the CPU's AMX tiles (``on``, the
+    default; query heads a KV head at most 16, head_dim a multiple of 32 up to 256, blocks a
+    multiple of 16 tokens) or keep them on the VDPBF16PS path (for benchmarks and tests of that
+    path); a process-wide switch. Returns whether bf16 decode now runs on AMX: False wherever the
+    library was built without AMX or the OS refuses tile data. Raises RuntimeError when the
+    kernel library is unavailable."""
+    kl = load()
+    if kl.lib is None:
+        raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
+    fn = kl.lib.pd_set_decode_amx
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(int(on)))
+
+
 def set_prefill_amx(on: bool) -> bool:
     """Let :func:`paged_prefill_attention` run bf16 chunks on the CPU's AMX tiles (``on``, the
     default) or keep them on the VDPBF16PS path (for benchmarks and tests of that path); a

@@ -27,6 +27,8 @@
  * prefetched into L2, its K rows under phase 0 and its V rows under phase 1, spread evenly over
  * the chunk's tiles and KV heads; a sequence's chunks are of even length so each prefetch has
  * a chunk of about its own size to hide under.
+ * On a CPU with AMX, bf16 queries on bf16 K/V take attend_range_amx instead (both matmuls on the
+ * tile unit; see there).
  * With more than one split per sequence (FlashDecoding's split-K, for few sequences and many
  * threads) each split's partial (max, sum, accumulator) is merged at the end by rescaling with
  * exp(max_split - max_total).
@@ -714,6 +716,220 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
 #endif
 }
 
+/* ---- decode on AMX tiles ------------------------------------------------------------------ */
+
+#if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PD_DECODE_AMX 1
+#include "../../cpu_kernels/amx_tiles.h"
+
+#define AMX_LANES 16    /* query heads in one pass: the columns of a scores tile */
+#define AMX_MAX_D 256   /* the largest head_dim attend_range_amx takes */
+#define AMX_CHUNK 256   /* tokens per online-softmax update (a multiple of 16) */
+
+/* 0 keeps bf16 decode off the AMX tiles (the VDPBF16PS path runs instead): pd_set_decode_amx */
+static int pd_decode_amx_enabled = 1;
+
+/* Whether attend_range_amx takes these shapes: G query heads a KV head (at most 16), head_dim a
+ * multiple of 32 up to AMX_MAX_D, KV blocks a multiple of 16 tokens (a tile of 16 rows then
+ * never crosses a block). */
+static inline int decode_amx_fits(int G, int D, int block_size) {
+    return G >= 1 && G <= AMX_LANES && D % 32 == 0 && D <= AMX_MAX_D && block_size % 16 == 0;
+}
+
+/* attend_range for bf16 queries and K/V on a CPU with AMX: both matmuls of a decode token on the
+ * tile unit, the query heads of up to 16 / G KV heads at once (one pass; more KV heads, more
+ * passes). Same arguments and results as attend_range (qb the queries in bf16, unscaled; m, l
+ * and acc the softmax state of every query head), the tokens in chunks of up to AMX_CHUNK:
+ *  1. scores, 16 tokens (one tile of K rows, straight from their block) at a time, transposed:
+ *     S^T [16 tokens][16 heads] = sum over 32-dim slices of the pass's K row part of K_slice
+ *     Q_slice^T, Q^T holding each head's query in the slices of its own KV head and zeros in
+ *     the others', so one 16 x 16 result holds every head of the pass;
+ *  2. the online softmax (Milakov & Gimelshein, 2018) down the tokens, one head a vector lane;
+ *     the probabilities rounded to bf16 (as the VDPBF16PS path and FlashAttention-2 do) and
+ *     transposed to one row a head;
+ *  3. values, per KV head: O [16 heads][32 dims] += P V_slice for each 32-dim slice of V,
+ *     with V's rows loaded as they lie in the block. TDPBF16PS pairs the K dimension (tokens)
+ *     two by two against pairs of B's columns, so a raw V row (32 dims) makes B columns of
+ *     (dim 2j, dim 2j + 1); two products against the probabilities interleaved with zeros,
+ *     (p, 0) and (0, p), give the even and the odd dims apart, one token a pair.
+ * Rows past the context in the last tile are masked: their scores -inf, their V rows read from
+ * a zeroed copy (the pool's rows there may hold another sequence's data, or NaN). The thread's
+ * tiles are configured on entry and released on exit. Only this tile's V rows are prefetched
+ * (under its scores, so the values read them from L2): prefetching K as well, the next tile's
+ * or the next chunk's, was slower in every arrangement tried (session 22).
+ * Measured on a 2-core AMX Xeon, SmolLM2's shapes, batch 16, one thread, bf16
+ * (bench/cpu_attention.py --baseline-rev, against the VDPBF16PS path): 0.319 vs 0.359 ms a layer
+ * at 384 tokens with the KV in cache, 0.827 vs 1.018 at 1000; from DRAM the same (0.538 vs
+ * 0.535, 1.558 vs 1.560): there both are bound by the memory stream. Served (the bf16
+ * disaggregated main workload, three alternated pairs): 429.3 / 422.5 / 434.7 output tok/s
+ * against 409.8 / 408.7 / 423.4. */
+static void attend_range_amx(const Cache *c, int G, const int32_t *table, const uint16_t *qb,
+                             float scale, int64_t t_begin, int64_t t_end, float *m, float *l,
+                             float *acc) {
+    const int D = c->head_dim, kvh = c->kv_heads, per_pass = AMX_LANES / G;
+    const int64_t step = c->tok_stride * 2; /* bytes from one token's row to the next */
+    float st[AMX_CHUNK * 16] __attribute__((aligned(64)));        /* S^T, then P^T */
+    uint32_t ab[AMX_CHUNK / 16][2][256] __attribute__((aligned(64))); /* (p, 0), (0, p) */
+    uint32_t qt[per_pass * D / 32 * 256] __attribute__((aligned(64))); /* Q^T pairs a slice */
+    float cb[4][256] __attribute__((aligned(64)));
+    char vtail[16 * step] __attribute__((aligned(64)));
+    amx_configure_16x64(8);
+    for (int h0 = 0; h0 < kvh; h0 += per_pass) {
+        const int nh = kvh - h0 < per_pass ? kvh - h0 : per_pass, nq = nh * G;
+        const int nkd = nh * D / 32; /* 32-dim slices of the pass's part of a row */
+        const int64_t hoff = (int64_t)h0 * D * 2;
+        /* Q^T in pairs: qt[kd][r][n] = (q_n[2r], q_n[2r + 1]) of slice kd for the heads n of
+         * the slice's KV head, 0 for the others */
+        memset(qt, 0, sizeof(uint32_t) * 256 * (size_t)nkd);
+        for (int kd = 0; kd < nkd; kd++) {
+            const int hh = kd * 32 / D, d0 = kd * 32 % D;
+            for (int g = 0; g < G; g++) {
+                const int n = hh * G + g;
+                const uint16_t *qr = qb + (int64_t)(h0 * G + n) * D + d0;
+                for (int r = 0; r < 16; r++)
+                    qt[kd * 256 + r * 16 + n] = qr[2 * r] | (uint32_t)qr[2 * r + 1] << 16;
+            }
+        }
+        float *mp = m + h0 * G, *lp = l + h0 * G, *ap = acc + (int64_t)h0 * G * D;
+        for (int n = 0; n < nq; n++) {
+            mp[n] = -INFINITY;
+            lp[n] = 0.0f;
+        }
+        memset(ap, 0, sizeof(float) * (size_t)nq * (size_t)D);
+        __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+        for (int64_t c0 = t_begin; c0 < t_end; c0 += AMX_CHUNK) {
+            const int64_t c1 = c0 + AMX_CHUNK < t_end ? c0 + AMX_CHUNK : t_end;
+            const int n = (int)(c1 - c0), ntile = (n + 15) / 16;
+            /* 1. S^T, 16 tokens a tile */
+            for (int i = 0; i < ntile; i++) {
+                const char *kp = c->k + row_offset(c, table, c0 + 16 * i) + hoff;
+                /* prefetch into L2 this tile's V rows (all KV heads; the first pass only), spread
+                 * over the tile's slices: the values below then read them from L2 */
+                Pf pf = {.k = 0, .nr = 0};
+                if (h0 == 0) {
+                    const int64_t rows = n - 16 * i < 16 ? n - 16 * i : 16;
+                    pf.p[0] = c->v + row_offset(c, table, c0 + 16 * i);
+                    pf.n[0] = rows * step;
+                    pf.nr = 1;
+                }
+                const int per_kd = (int)((pf.nr ? (pf.n[0] + 63) / 64 : 0) + nkd - 1) / nkd;
+                _tile_zero(0);
+                for (int kd = 0; kd < nkd; kd++) {
+                    pf_issue(&pf, per_kd);
+                    _tile_loadd(1, kp + kd * 64, step);
+                    _tile_loadd(2, qt + kd * 256, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, st + i * 256, 64);
+            }
+            /* 2. softmax down the tokens, one head a lane */
+            const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+            for (int j = n; j < ntile * 16; j++) _mm512_store_ps(st + j * 16, ninf);
+            __m512 mx = mv;
+            for (int j = 0; j < n; j++) {
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(st + j * 16), sc);
+                _mm512_store_ps(st + j * 16, x);
+                mx = _mm512_max_ps(mx, x);
+            }
+            const __m512 alpha = (__m512)exp_nonpos_v((vf)_mm512_sub_ps(mv, mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < ntile; i++) {
+                __m512 r[16];
+                for (int j = 0; j < 16; j++) {
+                    r[j] = (__m512)exp_nonpos_v((vf)_mm512_sub_ps(_mm512_load_ps(st + (i * 16 + j) * 16), mx));
+                    sum = _mm512_add_ps(sum, r[j]);
+                }
+                transpose16(r); /* r[head]: its 16 tokens' probabilities */
+                for (int q = 0; q < 16; q++) {
+                    const __m512i e = _mm512_cvtepu16_epi32(
+                        (__m256i)_mm512_cvtneps_pbh(r[q]));
+                    _mm512_store_si512(ab[i][0] + q * 16, e);
+                    _mm512_store_si512(ab[i][1] + q * 16, _mm512_slli_epi32(e, 16));
+                }
+            }
+            lv = _mm512_add_ps(_mm512_mul_ps(lv, alpha), sum);
+            mv = mx;
+            float al[16];
+            _mm512_storeu_ps(al, alpha);
+            for (int q = 0; q < nq; q++)
+                for (int d = 0; d < D; d++) ap[q * D + d] *= al[q];
+            /* the last tile's V rows past the context: a zeroed copy */
+            const int tail = n % 16;
+            if (tail) {
+                memset(vtail, 0, (size_t)(16 * step));
+                const char *vr = c->v + row_offset(c, table, c0 + 16 * (ntile - 1));
+                memcpy(vtail, vr, (size_t)(tail * step));
+            }
+            /* 3. O += P V, per KV head, two 32-dim slices (four result tiles) at a time */
+            for (int hh = 0; hh < nh; hh++) {
+                const int64_t voff = hoff + (int64_t)hh * D * 2;
+                for (int s0 = 0; s0 < D / 32; s0 += 2) {
+                    const int two = s0 + 1 < D / 32;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int i = 0; i < ntile; i++) {
+                        const char *vp = tail && i == ntile - 1
+                                             ? vtail + voff
+                                             : c->v + row_offset(c, table, c0 + 16 * i) + voff;
+                        _tile_loadd(4, ab[i][0], 64);
+                        _tile_loadd(5, ab[i][1], 64);
+                        _tile_loadd(6, vp + s0 * 64, step);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 5, 6);
+                        if (two) {
+                            _tile_loadd(7, vp + (s0 + 1) * 64, step);
+                            _tile_dpbf16ps(2, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, cb[0], 64);
+                    _tile_stored(1, cb[1], 64);
+                    if (two) {
+                        _tile_stored(2, cb[2], 64);
+                        _tile_stored(3, cb[3], 64);
+                    }
+                    /* cb[2s + e][head][j]: dim 32 (s0 + s) + 2j + e */
+                    for (int g = 0; g < G; g++) {
+                        const int q = hh * G + g;
+                        for (int s = 0; s <= two; s++)
+                            for (int j = 0; j < 16; j++) {
+                                float *o = ap + (int64_t)q * D + 32 * (s0 + s) + 2 * j;
+                                o[0] += cb[2 * s][q * 16 + j];
+                                o[1] += cb[2 * s + 1][q * 16 + j];
+                            }
+                    }
+                }
+            }
+        }
+        float mf[16], lf[16];
+        _mm512_storeu_ps(mf, mv);
+        _mm512_storeu_ps(lf, lv);
+        for (int q = 0; q < nq; q++) {
+            mp[q] = mf[q];
+            lp[q] = lf[q];
+        }
+    }
+    _tile_release();
+}
+#else
+#define PD_DECODE_AMX 0
+#endif
+
+/* Whether pd_paged_decode may run bf16 decode on AMX tiles (1, the default) or not (0); returns
+ * whether it will: 0 where the build (no AMX at -march=native) or the OS (no tile data
+ * permission) rules it out. For benchmarks and tests of the other path. */
+int pd_set_decode_amx(int on) {
+#if PD_DECODE_AMX
+    pd_decode_amx_enabled = on != 0;
+    return pd_decode_amx_enabled && amx_permitted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* ---- entry point ------------------------------------------------------------------------------ */
 
 /* Decode attention for num_decodes sequences, one query token each, written into `out`.
@@ -741,6 +957,12 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
     const int64_t items = (int64_t)num_decodes * S, per_item = (int64_t)heads * (D + 2);
     /* bf16 queries on bf16 K: scores by VDPBF16PS where the CPU has it */
     const int dp = PD_HAVE_DP && kv_dtype == PD_BF16 && q_dtype == PD_BF16 && D % 32 == 0;
+#if PD_DECODE_AMX
+    const int amx = dp && pd_decode_amx_enabled && decode_amx_fits(G, D, block_size) &&
+                    amx_permitted();
+#else
+    const int amx = 0;
+#endif
     /* split-K partials: per item m [heads], l [heads], acc [heads, D] */
     float *part = NULL;
     if (S > 1) {
@@ -788,10 +1010,14 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
             if (nb > n2) nb = n2;
             next_table = tables + i2 * table_stride;
         }
-        attend_range(&c, G, dp ? PD_BF16_DP : kv_dtype, tables + i * table_stride, qf, qb,
-                     dp ? scale : 1.0f, t_begin, t_end, m, l, acc, next_table, nb, ne,
-                     /* on one thread, item it - 1 prefetched this item's first chunk */
-                     num_threads <= 1 && it > 0);
+        if (amx)
+            attend_range_amx(&c, G, tables + i * table_stride, qb, scale, t_begin, t_end, m, l,
+                             acc);
+        else
+            attend_range(&c, G, dp ? PD_BF16_DP : kv_dtype, tables + i * table_stride, qf, qb,
+                         dp ? scale : 1.0f, t_begin, t_end, m, l, acc, next_table, nb, ne,
+                         /* on one thread, item it - 1 prefetched this item's first chunk */
+                         num_threads <= 1 && it > 0);
         if (S == 1) {
             char *orow = (char *)out + row * o_tok_stride * elem_size(q_dtype);
             for (int hq = 0; hq < heads; hq++) {
