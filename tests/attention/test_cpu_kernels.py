@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -17,6 +19,9 @@ from pdserve.attention.cpu_build import find_compiler, load_library
 from pdserve.attention.cpu_kernels import DecodeBatch, PrefillBatch
 
 pytestmark = pytest.mark.timeout(300)
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -71,6 +76,16 @@ class Pool:
         )  # padding is an invalid block id: the kernel must never read it
         self.seq_lens = torch.tensor(lens, dtype=torch.int32)
 
+    def poison_unused(self) -> None:
+        """NaN into every pool slot outside the sequences' contexts (freed blocks, the unwritten
+        tail of a last block), so a kernel that reads one shows it."""
+        used = torch.zeros(self.k_cache.shape[:2], dtype=torch.bool)
+        for table, n in zip(self.tables, self.lens, strict=True):
+            for t in range(n):
+                used[table[t // self.block_size], t % self.block_size] = True
+        self.k_cache[~used] = float("nan")
+        self.v_cache[~used] = float("nan")
+
     def reference(self, i: int) -> torch.Tensor:
         """Decode i's attention [heads, head_dim] by definition, in float64."""
         n, table = self.lens[i], self.tables[i]
@@ -100,6 +115,23 @@ class Pool:
             ref = self.reference(i)
             errs.append(float((out[i].double() - ref).norm() / ref.norm()))
         return max(errs)
+
+
+def amx_off_then_on(
+    switch: Callable[[bool], bool], off: Callable[[], T], on: Callable[[], U]
+) -> tuple[T, bool, U]:
+    """(off() with the kernel's AMX ``switch`` off, whether AMX is on once switched on, on() then);
+    the switch is left on. AMX must be on exactly where the CPU has it and the build targets it."""
+    from pdserve.cpu import has_amx_bf16
+
+    try:
+        assert switch(False) is False
+        first = off()
+        state = switch(True)
+        assert state == (has_amx_bf16() and "-march=native" in cpu_kernels.load().flags)
+        return first, state, on()
+    finally:
+        switch(True)
 
 
 def tolerance(q_dtype: torch.dtype) -> float:
@@ -161,12 +193,7 @@ def test_slots_outside_the_contexts_are_never_used(
     unwritten tail of a last block): odd context lengths end tiles mid-pair, where the bf16
     values pass (two tokens per VDPBF16PS) must use a zero row, not the slot after."""
     pool = Pool([1, 3, 17, 33, 255, 301], heads, kv_heads, head_dim, 16, kv_dtype, kv_dtype, seed=6)
-    used = torch.zeros(pool.k_cache.shape[:2], dtype=torch.bool)
-    for table, n in zip(pool.tables, pool.lens, strict=True):
-        for t in range(n):
-            used[table[t // pool.block_size], t % pool.block_size] = True
-    pool.k_cache[~used] = float("nan")
-    pool.v_cache[~used] = float("nan")
+    pool.poison_unused()
     for splits in (1, 3):
         out = pool.run(num_splits=splits, num_threads=1)
         assert not out.isnan().any()
@@ -185,25 +212,14 @@ def test_decode_on_amx_tiles_matches_the_other_path(
     16 query heads, more KV heads in more passes, split-K and two threads too); it and the
     VDPBF16PS path both match attention by definition, to the same bound, and slots outside
     the contexts (NaN here) are never used. Elsewhere the switch reports that AMX is off."""
-    from pdserve.cpu import has_amx_bf16
-
     lens = [1, 15, 16, 17, 255, 256, 257, 600]
     pool = Pool(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16, torch.bfloat16, 9)
-    used = torch.zeros(pool.k_cache.shape[:2], dtype=torch.bool)
-    for table, n in zip(pool.tables, pool.lens, strict=True):
-        for t in range(n):
-            used[table[t // pool.block_size], t % pool.block_size] = True
-    pool.k_cache[~used] = float("nan")
-    pool.v_cache[~used] = float("nan")
-    try:
-        assert cpu_kernels.set_decode_amx(False) is False
-        other = pool.run(num_threads=1)
-        on = cpu_kernels.set_decode_amx(True)
-        assert on == (has_amx_bf16() and "-march=native" in cpu_kernels.load().flags)
-        amx = pool.run(num_threads=2)
-        amx_split = pool.run(num_splits=3, num_threads=2)
-    finally:
-        cpu_kernels.set_decode_amx(True)
+    pool.poison_unused()
+    other, on, (amx, amx_split) = amx_off_then_on(
+        cpu_kernels.set_decode_amx,
+        lambda: pool.run(num_threads=1),
+        lambda: (pool.run(num_threads=2), pool.run(num_splits=3, num_threads=2)),
+    )
     for out in (other, amx, amx_split):
         assert not out.isnan().any()
         assert pool.error(out) < tolerance(torch.bfloat16)
@@ -484,18 +500,13 @@ def test_prefill_on_amx_tiles_matches_the_other_path(
     """Where the CPU has AMX, bf16 prefill runs on its tiles (prefill_item_amx); both that and
     the VDPBF16PS path match attention by definition, to the same bound. Elsewhere the switch
     reports that AMX is off."""
-    from pdserve.cpu import has_amx_bf16
-
     spans = [(0, 1), (0, 63), (0, 65), (7, 70), (100, 29), (0, 270), (1000, 50)]
     chunks = Chunks(spans, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=5)
-    try:
-        assert cpu_kernels.set_prefill_amx(False) is False
-        other = chunks.run(num_threads=1)
-        on = cpu_kernels.set_prefill_amx(True)
-        assert on == (has_amx_bf16() and "-march=native" in cpu_kernels.load().flags)
-        amx = chunks.run(num_threads=2)
-    finally:
-        cpu_kernels.set_prefill_amx(True)
+    other, on, amx = amx_off_then_on(
+        cpu_kernels.set_prefill_amx,
+        lambda: chunks.run(num_threads=1),
+        lambda: chunks.run(num_threads=2),
+    )
     assert chunks.error(other) < tolerance(torch.bfloat16)
     assert chunks.error(amx) < tolerance(torch.bfloat16)
     assert not on or not torch.equal(amx[1:-1], other[1:-1])  # a different path did run

@@ -360,12 +360,7 @@ def set_decode_amx(on: bool) -> bool:
     path); a process-wide switch. Returns whether bf16 decode now runs on AMX: False wherever the
     library was built without AMX or the OS refuses tile data. Raises RuntimeError when the
     kernel library is unavailable."""
-    kl = load()
-    if kl.lib is None:
-        raise RuntimeError(f"paged decode kernel unavailable: {kl.reason}")
-    fn = kl.lib.pd_set_decode_amx
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return bool(fn(int(on)))
+    return _set_amx("pd_set_decode_amx", "paged decode", on)
 
 
 def set_prefill_amx(on: bool) -> bool:
@@ -374,10 +369,16 @@ def set_prefill_amx(on: bool) -> bool:
     process-wide switch. Returns whether bf16 prefill now runs on AMX: False wherever the library
     was built without AMX (``-march=native`` on a CPU without ``amx_bf16``) or the OS refuses
     tile data. Raises RuntimeError when the kernel library is unavailable."""
+    return _set_amx("pd_set_prefill_amx", "paged prefill", on)
+
+
+def _set_amx(symbol: str, what: str, on: bool) -> bool:
+    """Call the library's AMX switch ``symbol`` (int -> int) with ``on``; RuntimeError naming
+    ``what`` when the library is unavailable."""
     kl = load()
     if kl.lib is None:
-        raise RuntimeError(f"paged prefill kernel unavailable: {kl.reason}")
-    fn = kl.lib.pd_set_prefill_amx
+        raise RuntimeError(f"{what} kernel unavailable: {kl.reason}")
+    fn = getattr(kl.lib, symbol)
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
     return bool(fn(int(on)))
 
