@@ -768,8 +768,8 @@ static void attend_range_amx(const Cache *c, int G, const int32_t *table, const 
                              float *acc) {
     const int D = c->head_dim, kvh = c->kv_heads, per_pass = AMX_LANES / G;
     const int64_t step = c->tok_stride * 2; /* bytes from one token's row to the next */
-    float st[AMX_CHUNK * 16] __attribute__((aligned(64)));        /* S^T, then P^T */
-    uint32_t ab[AMX_CHUNK / 16][2][256] __attribute__((aligned(64))); /* (p, 0), (0, p) */
+    float st[AMX_CHUNK * 16] __attribute__((aligned(64)));             /* S^T */
+    uint32_t ab[AMX_CHUNK / 16][2][256] __attribute__((aligned(64))); /* P as (p, 0), (0, p) */
     uint32_t qt[per_pass * D / 32 * 256] __attribute__((aligned(64))); /* Q^T pairs a slice */
     float cb[4][256] __attribute__((aligned(64)));
     char vtail[16 * step] __attribute__((aligned(64)));
@@ -836,13 +836,13 @@ static void attend_range_amx(const Cache *c, int G, const int32_t *table, const 
             for (int i = 0; i < ntile; i++) {
                 __m512 r[16];
                 for (int j = 0; j < 16; j++) {
-                    r[j] = (__m512)exp_nonpos_v((vf)_mm512_sub_ps(_mm512_load_ps(st + (i * 16 + j) * 16), mx));
+                    const __m512 x = _mm512_load_ps(st + (i * 16 + j) * 16);
+                    r[j] = (__m512)exp_nonpos_v((vf)_mm512_sub_ps(x, mx));
                     sum = _mm512_add_ps(sum, r[j]);
                 }
                 transpose16(r); /* r[head]: its 16 tokens' probabilities */
                 for (int q = 0; q < 16; q++) {
-                    const __m512i e = _mm512_cvtepu16_epi32(
-                        (__m256i)_mm512_cvtneps_pbh(r[q]));
+                    const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r[q]));
                     _mm512_store_si512(ab[i][0] + q * 16, e);
                     _mm512_store_si512(ab[i][1] + q * 16, _mm512_slli_epi32(e, 16));
                 }
