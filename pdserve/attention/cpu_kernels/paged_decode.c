@@ -215,7 +215,6 @@ typedef struct {
 
 /* Issue up to `lines` prefetches (64-byte lines) from pf, in order. */
 ALWAYS_INLINE void pf_issue(Pf *pf, int lines) {
-    if (!pf) return;
     for (int i = 0; i < lines && pf->k < pf->nr; i++) {
         __builtin_prefetch(pf->p[pf->k], 0, 2);
         pf->p[pf->k] += 64;
@@ -234,6 +233,27 @@ ALWAYS_INLINE void pf_issue(Pf *pf, int lines) {
 #else
 #define PD_HAVE_DP 0
 #endif
+
+/* AMX tiles (bf16): the decode (attend_range_amx) and prefill (prefill_item_amx) paths, each
+ * with a process-wide switch (pd_set_decode_amx, pd_set_prefill_amx; on by default) */
+#if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PD_HAVE_AMX 1
+#include "../../cpu_kernels/amx_tiles.h"
+#else
+#define PD_HAVE_AMX 0
+#endif
+static int pd_decode_amx_enabled = 1, pd_prefill_amx_enabled = 1;
+
+/* Sets one AMX path's switch (*enabled) to on; returns whether that path will run: 0 where the
+ * build (no AMX at -march=native) or the OS (no tile data permission) rules it out. */
+static int amx_switch(int *enabled, int on) {
+    *enabled = on != 0;
+#if PD_HAVE_AMX
+    return *enabled && amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* Lane-wise partial dot products of one query head with one K row: sum over the lanes of the
  * result = q . k over d < DV (DV a multiple of VW; for PD_BF16_DP, D a multiple of 32 and qb the
@@ -718,16 +738,11 @@ static void attend_range(const Cache *c, int G, int dtype, const int32_t *table,
 
 /* ---- decode on AMX tiles ------------------------------------------------------------------ */
 
-#if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PD_DECODE_AMX 1
-#include "../../cpu_kernels/amx_tiles.h"
+#if PD_HAVE_AMX
 
 #define AMX_LANES 16    /* query heads in one pass: the columns of a scores tile */
 #define AMX_MAX_D 256   /* the largest head_dim attend_range_amx takes */
 #define AMX_CHUNK 256   /* tokens per online-softmax update (a multiple of 16) */
-
-/* 0 keeps bf16 decode off the AMX tiles (the VDPBF16PS path runs instead): pd_set_decode_amx */
-static int pd_decode_amx_enabled = 1;
 
 /* Whether attend_range_amx takes these shapes: G query heads a KV head (at most 16), head_dim a
  * multiple of 32 up to AMX_MAX_D, KV blocks a multiple of 16 tokens (a tile of 16 rows then
@@ -913,22 +928,12 @@ static void attend_range_amx(const Cache *c, int G, const int32_t *table, const 
     }
     _tile_release();
 }
-#else
-#define PD_DECODE_AMX 0
 #endif
 
 /* Whether pd_paged_decode may run bf16 decode on AMX tiles (1, the default) or not (0); returns
  * whether it will: 0 where the build (no AMX at -march=native) or the OS (no tile data
  * permission) rules it out. For benchmarks and tests of the other path. */
-int pd_set_decode_amx(int on) {
-#if PD_DECODE_AMX
-    pd_decode_amx_enabled = on != 0;
-    return pd_decode_amx_enabled && amx_permitted();
-#else
-    (void)on;
-    return 0;
-#endif
-}
+int pd_set_decode_amx(int on) { return amx_switch(&pd_decode_amx_enabled, on); }
 
 /* ---- entry point ------------------------------------------------------------------------------ */
 
@@ -957,7 +962,7 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
     const int64_t items = (int64_t)num_decodes * S, per_item = (int64_t)heads * (D + 2);
     /* bf16 queries on bf16 K: scores by VDPBF16PS where the CPU has it */
     const int dp = PD_HAVE_DP && kv_dtype == PD_BF16 && q_dtype == PD_BF16 && D % 32 == 0;
-#if PD_DECODE_AMX
+#if PD_HAVE_AMX
     const int amx = dp && pd_decode_amx_enabled && decode_amx_fits(G, D, block_size) &&
                     amx_permitted();
 #else
@@ -989,7 +994,7 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
         for (int hq = 0; hq < heads; hq++)
             for (int d = 0; d < D; d++) {
                 const int64_t e = (int64_t)hq * q_head_stride + d;
-                qf[hq * D + d] = scale * load_one(qrow, e, q_dtype);
+                if (!amx) qf[hq * D + d] = scale * load_one(qrow, e, q_dtype);
                 if (dp) qb[hq * D + d] = ((const uint16_t *)qrow)[e];
             }
         float *m = mloc, *l = lloc, *acc = accloc;
@@ -1010,10 +1015,12 @@ int pd_paged_decode(const void *q, int64_t q_tok_stride, int64_t q_head_stride, 
             if (nb > n2) nb = n2;
             next_table = tables + i2 * table_stride;
         }
+#if PD_HAVE_AMX
         if (amx)
             attend_range_amx(&c, G, tables + i * table_stride, qb, scale, t_begin, t_end, m, l,
                              acc);
         else
+#endif
             attend_range(&c, G, dp ? PD_BF16_DP : kv_dtype, tables + i * table_stride, qf, qb,
                          dp ? scale : 1.0f, t_begin, t_end, m, l, acc, next_table, nb, ne,
                          /* on one thread, item it - 1 prefetched this item's first chunk */
@@ -1416,16 +1423,12 @@ static void prefill_item_dp(const Cache *c, int G, int D, const int32_t *table, 
 }
 #endif
 
-#if PD_HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PD_HAVE_AMX 1
-#include "../../cpu_kernels/amx_tiles.h"
+#if PD_HAVE_AMX
 typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 
 #define AKT 64 /* keys per tile of prefill_item_amx */
 #define AMX_MIN_ROWS 8 /* query rows from which a span takes prefill_item_amx */
 
-/* 0 turns prefill_item_amx off (the VDPBF16PS path runs instead): pd_set_prefill_amx */
-static int pd_prefill_amx_enabled = 1;
 
 /* One span's K and V of one KV head, laid out for the tile loads of prefill_item_amx: kc [n][D]
  * (rows of keys 0 .. n-1 gathered from the pages) and vt [D][n] (V transposed), n the span's
@@ -1627,22 +1630,12 @@ static void prefill_item_amx(int G, const int D, const uint16_t *kc, const uint1
         }
     }
 }
-#else
-#define PD_HAVE_AMX 0
 #endif
 
 /* Whether pd_paged_prefill may run its bf16 prefills on AMX tiles (1, the default) or not (0);
  * returns whether it will: 0 where the build (no AMX at -march=native) or the OS (no tile data
  * permission) rules it out. For benchmarks and tests of the other path. */
-int pd_set_prefill_amx(int on) {
-#if PD_HAVE_AMX
-    pd_prefill_amx_enabled = on != 0;
-    return pd_prefill_amx_enabled && amx_permitted();
-#else
-    (void)on;
-    return 0;
-#endif
-}
+int pd_set_prefill_amx(int on) { return amx_switch(&pd_prefill_amx_enabled, on); }
 
 /* Whether pd_paged_prefill takes these shapes: 1 when it does, else 0 (the caller falls back). */
 int pd_paged_prefill_fits(int heads, int kv_heads, int head_dim) {
