@@ -300,7 +300,11 @@ class DecodeScheduler:
             try:
                 seq.grammar.advance([first_token.token_id])
             except StructuredOutputError as e:
-                self._fail(seq, INTERNAL, f"token 1 from the prefill worker: {e}")
+                # INVALID_ARGUMENT, not INTERNAL: the request's grammar is at fault (e.g. a
+                # schema that only refers to itself, which the two workers' matchers read
+                # differently), and the router answers 400 instead of counting this worker as
+                # lost, which made other clients' requests fail while it was marked unhealthy
+                self._fail(seq, INVALID_ARGUMENT, f"token 1 from the prefill worker: {e}")
                 return False
         seq.num_computed = seq.num_prompt_tokens
         seq.kv_deadline = None

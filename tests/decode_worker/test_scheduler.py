@@ -27,6 +27,7 @@ from pdserve.engine.errors import (
 )
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured.spec import StructuredOutputError
 from pdserve.types import SampledToken
 
 pytestmark = pytest.mark.timeout(30)
@@ -402,6 +403,26 @@ def test_kv_failed_and_fail_step() -> None:
     ]
     assert released == []  # the receiver already dropped transfer 1 itself
     assert s.kv.num_free_blocks == 16
+    s.check_integrity()
+
+
+class RejectingGrammar:
+    """A grammar matcher that rejects every token (what a degenerate schema's can do)."""
+
+    def advance(self, token_ids: list[int]) -> None:
+        raise StructuredOutputError("guided_json", "'guided_json': token sequence leaves it")
+
+
+def test_token_one_outside_the_grammar_fails_the_request_not_the_worker() -> None:
+    s = make()
+    s.add_request(req("g", 4), transfer_id=1, grammar=RejectingGrammar())  # type: ignore[arg-type]
+    assert not s.kv_arrived("g", 1, SampledToken(5))
+    ev, _ = s.drain()
+    ((rid, err),) = ev
+    # INVALID_ARGUMENT: the router answers 400 naming the field and keeps the worker healthy
+    assert rid == "g" and isinstance(err, ErrorEvent) and err.code == INVALID_ARGUMENT
+    assert "guided_json" in err.message
+    assert s.kv.num_free_blocks == 16 and not s.has("g")
     s.check_integrity()
 
 
