@@ -12,7 +12,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from pdserve.sampling_params import (
+    MAX_TOP_LOGPROBS,
+    MIN_POSITIVE_F32,
+    SamplingError,
+    SamplingParams,
+)
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.types import SampledToken, TransferRecord
 from pdserve.v1 import common_pb2 as cpb
@@ -35,7 +40,7 @@ def sampling_to_proto(p: SamplingParams) -> cpb.SamplingParams:
         raise SamplingError("max_tokens", "'max_tokens' must be resolved before dispatch")
     msg = cpb.SamplingParams(
         temperature=p.temperature,
-        top_p=p.top_p,
+        top_p=max(p.top_p, MIN_POSITIVE_F32),  # 0.0 on the wire means "unset"
         top_k=p.top_k,
         min_p=p.min_p,
         presence_penalty=p.presence_penalty,

@@ -3,8 +3,10 @@ vLLM's ``allowed_token_ids`` and the structured-output grammar's token bitmask.
 
 Both functions work in place on processed logits ``x`` [num_seqs, vocab] (fp32, after penalties
 and the ``min_tokens`` mask), row ``i`` belonging to ``seqs[i]``. The grammar wins over
-``min_tokens`` and biases: a row they left with no token the grammar allows gets the grammar's
-tokens back from the raw logits; a matcher in its error state (or a live one allowing nothing)
+``min_tokens``, biases and ``allowed_token_ids``: a row they left with no token the grammar allows
+gets the grammar's tokens back from the raw logits (the router refuses a request whose
+``allowed_token_ids`` hold none of the grammar's first tokens, so this is a later step's conflict,
+such as the grammar's EOS outside ``allowed_token_ids``); a matcher in its error state (or a live one allowing nothing)
 allows only EOS, so the sequence ends instead of running on.
 """
 

@@ -15,6 +15,7 @@ literals parse, so the edge must refuse them). Integer counts and token ids trav
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from pdserve.structured.spec import StructuredOutputSpec
@@ -36,6 +37,12 @@ MAX_TEMPERATURE = 2.0  # OpenAI API reference: temperature is between 0 and 2
 # saturated (HF/vLLM users pass 1.0-2.0).
 MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
+# Workers get these floats as protobuf ``float`` (float32). 1e-4 is not a float32: it arrives as
+# 9.99999975e-05, so a worker checks the lower limit as the float32 it travels as.
+_MIN_REPETITION_PENALTY_F32 = struct.unpack("f", struct.pack("f", MIN_REPETITION_PENALTY))[0]
+# The smallest positive float32 (a subnormal): a positive top_p below it would arrive as 0.0,
+# which the wire reads as "unset"; rpc.sampling_to_proto sends this instead.
+MIN_POSITIVE_F32 = 2.0**-149
 # Hostile-input bounds (issue 12). The router matches stop strings against every output token's
 # text, so their number and length bound per-token work; OpenAI allows 4 stop strings, vLLM has no
 # cap, these leave room for any real use.
@@ -111,7 +118,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2], got {v}")
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not _MIN_REPETITION_PENALTY_F32 <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             bad(
                 "repetition_penalty",
                 f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off), "

@@ -124,7 +124,9 @@ class GenerationService(gpb_grpc.GenerationServicer):
             sampling = self._sampling(request, chat.tools if chat else None)
             prompt = await self._prompt(request, chat)
             if sampling.structured is not None:
-                await self.router.prompts.check_structured(sampling.structured)
+                await self.router.prompts.check_structured(
+                    sampling.structured, sampling.allowed_token_ids
+                )
             field = request.WhichOneof("input") or "input"  # errors name the prompt's field
             stream = self.router.submit(rid, prompt, sampling, prompt_param=field)
         except RouterError as e:

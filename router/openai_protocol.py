@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.structured.spec import StructuredOutputSpec
 from router.errors import BadRequest
+from router.prompts import check_text
 from router.structured_request import logit_bias_pairs, structured_spec
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
@@ -151,6 +152,7 @@ class _Common(BaseModel):
         for i, s in enumerate(stops):
             if not s:
                 raise BadRequest(f"'stop'[{i}] must be a non-empty string", param="stop")
+            check_text(s, "stop")
         return tuple(stops)
 
     @property

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pdserve.structured.grammar import GrammarCompiler, allocate_bitmask
+from pdserve.structured.grammar import GrammarCompiler, allocate_bitmask, unpack_bitmask
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from pdserve.tokenizer import Tokenizer, TokenizerError
 from router.errors import BadRequest, ContextLengthExceeded
@@ -195,16 +195,23 @@ class PromptPreparer:
         """Text of ``token_ids`` (for echo); the ids must already be checked against the vocab."""
         return await self._run(self.tokenizer.decode, list(token_ids), skip_special_tokens)
 
-    async def check_structured(self, spec: StructuredOutputSpec) -> None:
+    async def check_structured(
+        self, spec: StructuredOutputSpec, allowed_token_ids: Sequence[int] | None = None
+    ) -> None:
         """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
         cannot compile, or whose first token mask takes longer than ``max_mask_ms``, is a 400
-        naming its field before any worker sees it. Raises BadRequest."""
+        naming its field before any worker sees it; so is ``allowed_token_ids`` (vLLM's
+        extension) holding none of the tokens the grammar allows first, a request no output can
+        satisfy (past token 1 the grammar wins over it, as over ``logit_bias``; see
+        :mod:`pdserve.sampling_masks`). Raises BadRequest."""
         try:
-            await self._run(self._compile, spec)
+            await self._run(self._compile, spec, allowed_token_ids)
         except StructuredOutputError as e:
             raise BadRequest(str(e), param=e.field) from None
 
-    def _compile(self, spec: StructuredOutputSpec) -> None:
+    def _compile(
+        self, spec: StructuredOutputSpec, allowed_token_ids: Sequence[int] | None = None
+    ) -> None:
         if self._grammar is None:  # only ever built on the one thread
             tok = self.tokenizer
             self._grammar = GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
@@ -219,6 +226,16 @@ class PromptPreparer:
                 f"'{spec.field}' is too expensive to enforce: its first token mask took "
                 f"{ms:.0f} ms (the limit is {self.max_mask_ms:g} ms per token)",
             )
+        if allowed_token_ids is not None:
+            first = unpack_bitmask(mask, self._grammar.vocab_size)[0]
+            ids = [t for t in allowed_token_ids if 0 <= t < len(first)]
+            if not first[ids].any():
+                raise StructuredOutputError(
+                    "allowed_token_ids",
+                    f"'allowed_token_ids' holds none of the tokens '{spec.field}' allows as the "
+                    f"first output token ({int(first.sum())} tokens), so no output can satisfy "
+                    "both",
+                )
 
     def close(self) -> None:
         """Stop the thread once queued work is done."""

@@ -2,7 +2,10 @@
 
 A :class:`RequestRecord` is one client request as the router saw it, keyed by its
 ``x-request-id`` (the client's header, or one the router made) and findable by its OpenAI
-response id (``chatcmpl-...``, ``cmpl-...``) too. It holds one :class:`SequenceTrace` per
+response id (``chatcmpl-...``, ``cmpl-...``) too. A client id is not unique: a request that
+reuses the id of an earlier one (running or kept) gets a record of its own under the key
+``<id>~2`` (``~3``, ...; ``~`` never occurs in an ``x-request-id``), and the plain id finds the
+newest of them. It holds one :class:`SequenceTrace` per
 sequence (``n`` x prompts), which the request lifecycle appends to at each step:
 
     admitted -> decode_reserved (D, blocks) -> prefill_started (P) -> prefill_done (cached tokens,
@@ -223,8 +226,18 @@ class SequenceTrace:
 class RequestRecord:
     """One client request: its id(s), outcome and sequences."""
 
-    def __init__(self, request_id: str, arrival: float, prompt_tokens: int, n: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        arrival: float,
+        prompt_tokens: int,
+        n: int,
+        key: str | None = None,
+        scope: object | None = None,
+    ) -> None:
         self.request_id = request_id
+        self.key = request_id if key is None else key  # unique among the log's records
+        self.scope = scope  # the client request (HTTP) this record belongs to
         self.response_ids: list[str] = []
         self.arrival = arrival  # time.monotonic() seconds
         self.created = time.time()
@@ -262,7 +275,8 @@ class RequestRecord:
         ends = [s.end_ms for s in seqs if s.end_ms is not None]
         paths = {s.kv_path for s in seqs if s.kv_path}
         return {
-            "id": self.request_id,
+            "id": self.key,
+            "request_id": self.request_id,
             "response_ids": list(self.response_ids),
             "created": round(self.created, 3),
             "status": self.status,
@@ -294,59 +308,94 @@ class RequestLog:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._live: dict[str, RequestRecord] = {}
-        self._done: OrderedDict[str, RequestRecord] = OrderedDict()
-        self._aliases: dict[str, str] = {}  # response id -> request id
+        self._live: dict[str, RequestRecord] = {}  # by key
+        self._done: OrderedDict[str, RequestRecord] = OrderedDict()  # by key
+        self._aliases: dict[str, str] = {}  # response id -> key
+        self._newest: dict[str, str] = {}  # request id -> key of its newest record
 
     def open(
-        self, request_id: str, response_id: str, arrival: float, prompt_tokens: int, n: int
+        self,
+        request_id: str,
+        response_id: str,
+        arrival: float,
+        prompt_tokens: int,
+        n: int,
+        scope: object | None = None,
     ) -> RequestRecord:
-        """The live record for ``request_id`` (new, or the one a multi-prompt request shares),
-        with one more open stream."""
-        rec = self._live.get(request_id)
+        """The live record for ``request_id`` with one more open stream: the one a
+        multi-prompt request shares (same ``scope``, the client request's
+        :func:`~router.request_id.current_request_scope`), else a new one."""
+        rec = self._live_record(request_id, scope)
         if rec is None:
-            rec = RequestRecord(request_id, arrival, 0, n)
-            self._live[request_id] = rec
+            rec = RequestRecord(request_id, arrival, 0, n, self._new_key(request_id), scope)
+            self._live[rec.key] = rec
+            self._newest[request_id] = rec.key
         rec.prompt_tokens += prompt_tokens
         rec.open_streams += 1
         self._alias(rec, response_id)
         return rec
 
-    def reject(self, request_id: str, response_id: str, prompt_tokens: int, why: str) -> None:
+    def reject(
+        self,
+        request_id: str,
+        response_id: str,
+        prompt_tokens: int,
+        why: str,
+        scope: object | None = None,
+    ) -> None:
         """Keep a record of a request admission refused (it holds no sequence)."""
-        if request_id in self._live:  # a later prompt of a multi-prompt request
-            self._live[request_id].rejected = why
+        live = self._live_record(request_id, scope)
+        if live is not None:  # a later prompt of a multi-prompt request
+            live.rejected = why
             return
-        rec = RequestRecord(request_id, time.monotonic(), prompt_tokens, 0)
+        rec = RequestRecord(
+            request_id, time.monotonic(), prompt_tokens, 0, self._new_key(request_id), scope
+        )
         rec.rejected = why
+        self._newest[request_id] = rec.key
         self._alias(rec, response_id)
         self._retire(rec)
 
     def close(self, rec: RequestRecord) -> None:
         """One of the record's streams closed; the last one moves it to the ring."""
         rec.open_streams -= 1
-        if rec.open_streams <= 0 and self._live.get(rec.request_id) is rec:
-            del self._live[rec.request_id]
+        if rec.open_streams <= 0 and self._live.get(rec.key) is rec:
+            del self._live[rec.key]
             self._retire(rec)
 
+    def _live_record(self, request_id: str, scope: object | None) -> RequestRecord | None:
+        key = self._newest.get(request_id)
+        rec = self._live.get(key) if key is not None else None
+        return rec if rec is not None and rec.scope is scope else None
+
+    def _new_key(self, request_id: str) -> str:
+        key, k = request_id, 1
+        while key in self._live or key in self._done:
+            k += 1
+            key = f"{request_id}~{k}"
+        return key
+
     def _alias(self, rec: RequestRecord, response_id: str) -> None:
-        if response_id and response_id != rec.request_id and response_id not in rec.response_ids:
+        if response_id and response_id != rec.key and response_id not in rec.response_ids:
             rec.response_ids.append(response_id)
-            self._aliases[response_id] = rec.request_id
+            self._aliases[response_id] = rec.key
 
     def _retire(self, rec: RequestRecord) -> None:
-        self._done.pop(rec.request_id, None)
-        self._done[rec.request_id] = rec
+        self._done.pop(rec.key, None)
+        self._done[rec.key] = rec
         while len(self._done) > self.capacity:
             _, old = self._done.popitem(last=False)
             for alias in old.response_ids:
-                if self._aliases.get(alias) == old.request_id:
+                if self._aliases.get(alias) == old.key:
                     del self._aliases[alias]
+            if self._newest.get(old.request_id) == old.key:
+                del self._newest[old.request_id]
 
     def get(self, record_id: str) -> RequestRecord | None:
-        """The record with this request id or response id, live or finished."""
-        rid = self._aliases.get(record_id, record_id)
-        return self._live.get(rid) or self._done.get(rid)
+        """The record with this response id, request id (its newest record) or key, live or
+        finished."""
+        key = self._aliases.get(record_id) or self._newest.get(record_id, record_id)
+        return self._live.get(key) or self._done.get(key)
 
     @property
     def num_live(self) -> int:

@@ -44,7 +44,7 @@ from router.pool import WorkerPool
 from router.prompt_log import PromptLog
 from router.prompts import PromptPreparer
 from router.readiness import check_ready
-from router.request_id import current_request_id
+from router.request_id import current_request_id, current_request_scope
 from router.request_log import RequestLog
 from router.serving_stats import ServingStats
 from router.tool_parsers import select_parser
@@ -143,7 +143,12 @@ class RequestStream:
         metrics.REQUESTS_RUNNING.inc()
         router.stats.request_admitted(len(prompt_token_ids))
         self.record = router.requests.open(
-            current_request_id() or request_id, request_id, arrival, len(prompt_token_ids), self.n
+            current_request_id() or request_id,
+            request_id,
+            arrival,
+            len(prompt_token_ids),
+            self.n,
+            current_request_scope(),
         )
 
     @property
@@ -442,7 +447,13 @@ class Router:
         except Overloaded as e:
             metrics.REQUESTS_REJECTED.inc()
             self.stats.request_rejected()
-            self.requests.reject(current_request_id() or request_id, request_id, len(ids), str(e))
+            self.requests.reject(
+                current_request_id() or request_id,
+                request_id,
+                len(ids),
+                str(e),
+                current_request_scope(),
+            )
             raise
         self.prompt_log.prompt(request_id, ids)
         return RequestStream(self, request_id, ids, sampling, ticket, arrival)

@@ -108,17 +108,19 @@ def logit_bias_pairs(
     SamplingParams; the router checks the model's vocabulary at submit)."""
     out: list[tuple[int, float]] = []
     for key, value in (bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
+        # only ASCII digits: int() would also read " 5", "+5", "1_0" and non-ASCII digits as ids
+        digits = key.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(
-                f"'logit_bias' key {json.dumps(key)} is not a token id (an integer as a string)",
+                f"'logit_bias' key {json.dumps(key)} is not a token id (an integer as a string, "
+                "digits only)",
                 param="logit_bias",
-            ) from None
-        if tid < 0:
+            )
+        if digits != key:
             raise BadRequest(
                 f"'logit_bias' key '{key}' is negative; token ids are >= 0", param="logit_bias"
             )
+        tid = int(key)
         if tid >= vocab_size:
             raise BadRequest(
                 f"'logit_bias' key '{key}' is outside the vocabulary [0, {vocab_size})",

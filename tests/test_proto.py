@@ -62,6 +62,19 @@ def test_sampling_round_trip() -> None:
         assert getattr(back, field) == pytest.approx(getattr(p, field)), field
 
 
+def test_range_edges_survive_the_float32_wire() -> None:
+    """The documented lower limit of repetition_penalty (1e-4, not a float32) and a positive
+    top_p below float32's range reach the worker as valid values, not as an error or "unset"."""
+    for p in (
+        SamplingParams(repetition_penalty=1e-4, max_tokens=4),
+        SamplingParams(top_p=1e-50, max_tokens=4),
+    ):
+        back = rpc.sampling_from_proto(pb.SamplingParams.FromString(
+            rpc.sampling_to_proto(p).SerializeToString()))  # fmt: skip
+        assert back.repetition_penalty == pytest.approx(p.repetition_penalty)
+        assert 0 < back.top_p <= max(p.top_p, 1e-44)
+
+
 def test_unseeded_stays_unseeded() -> None:
     m = rpc.sampling_to_proto(SamplingParams(max_tokens=3))
     assert rpc.sampling_from_proto(m).seed is None

@@ -92,8 +92,10 @@ class EngineSeq(Generic[R]):
         """Append a sampled token; return the finish reason it causes, or None.
 
         'stop': an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids``, both only once
-        ``min_tokens`` outputs exist; 'length': ``max_tokens`` outputs (earlier attempts
-        included) or ``max_model_len`` tokens in all.
+        ``min_tokens`` outputs exist, or an EOS id that ends the request's grammar (complete, or
+        broken so that only EOS may follow) whatever ``min_tokens`` and ``ignore_eos`` say: the
+        grammar wins over both, as in the sampler, and nothing may follow its end; 'length':
+        ``max_tokens`` outputs (earlier attempts included) or ``max_model_len`` tokens in all.
         """
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
@@ -102,6 +104,9 @@ class EngineSeq(Generic[R]):
         if n_out >= sp.min_tokens and (
             (token_id in eos_token_ids and not sp.ignore_eos) or token_id in sp.stop_token_ids
         ):
+            return "stop"
+        g = self.grammar
+        if g is not None and token_id in eos_token_ids and (g.is_terminated or g.error):
             return "stop"
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return "length"

@@ -51,7 +51,7 @@ async def chat_completion(
         **body.template_controls(),
     )
     if sampling.structured is not None:
-        await router.prompts.check_structured(sampling.structured)
+        await router.prompts.check_structured(sampling.structured, sampling.allowed_token_ids)
     # vLLM's chat echo: the reply starts with the last message when it is the assistant's
     last = conversation[-1]
     echo = (last["content"] or "") if body.echo and last["role"] == "assistant" else ""

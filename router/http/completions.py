@@ -54,7 +54,7 @@ async def text_completion(
     prompts = body.prompts()
     router.check_num_sequences(len(prompts), sampling.n)
     if sampling.structured is not None:
-        await router.prompts.check_structured(sampling.structured)
+        await router.prompts.check_structured(sampling.structured, sampling.allowed_token_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     encoded = [await _prepare(router, p, body.echo) for p in prompts]
     streams: list[RequestStream] = []

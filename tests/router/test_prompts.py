@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.structured.spec import StructuredOutputSpec
 from pdserve.tokenizer import Tokenizer, TokenizerError
 from router.errors import BadRequest
 from router.prompts import PromptPreparer, check_text
@@ -103,3 +104,19 @@ def test_check_text_accepts_any_valid_unicode() -> None:
     check_text("héllo 😀 \u4e2d", "prompt")
     with pytest.raises(BadRequest):
         check_text("\ud800", "messages")
+
+
+async def test_allowed_token_ids_must_meet_the_grammar_first_token(tokenizer: Tokenizer) -> None:
+    """allowed_token_ids holding a token the grammar allows first passes; holding none of them
+    is a 400 naming allowed_token_ids (no output could satisfy both)."""
+    prompts = PromptPreparer(tokenizer)
+    spec = StructuredOutputSpec.choice(["yes", "no"], "guided_choice")
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    try:
+        await prompts.check_structured(spec)
+        await prompts.check_structured(spec, (0, yes[0]))
+        with pytest.raises(BadRequest) as e:
+            await prompts.check_structured(spec, (0, 1))
+        assert e.value.param == "allowed_token_ids" and "'guided_choice' allows" in e.value.message
+    finally:
+        prompts.close()

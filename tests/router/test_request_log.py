@@ -48,3 +48,32 @@ def test_rejected_request_is_recorded() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity"):
         RequestLog(capacity=0)
+
+
+def test_requests_sharing_a_client_id_keep_records_of_their_own() -> None:
+    """Two client requests with one x-request-id (different scopes) get separate records: one
+    client's disconnect does not show the other aborted; the plain id finds the newest, each
+    response id its own, and the later one's key is '<id>~2'."""
+    log = RequestLog(capacity=2)
+    first, second = object(), object()
+    a = log.open("dup", "chatcmpl-a", 0.0, prompt_tokens=3, n=1, scope=first)
+    b = log.open("dup", "chatcmpl-b", 0.0, prompt_tokens=4, n=1, scope=second)
+    assert a is not b and (a.key, b.key) == ("dup", "dup~2") and log.num_live == 2
+    a.add_sequence("chatcmpl-a", 0, 3, 16).ended("aborted", None, 1, "client disconnected")
+    b.add_sequence("chatcmpl-b", 0, 4, 16)
+    log.close(a)
+    assert a.status == "aborted" and b.status == "running"
+    assert log.get("dup") is b and log.get("chatcmpl-a") is a and log.get("dup~2") is b
+    b.sequences[0].ended("finished", "stop", 2, "")
+    log.close(b)
+    assert b.status == "finished" and log.get("dup") is b and log.get("dup~1") is None
+    assert [r["id"] for r in (b.summary(), a.summary())] == ["dup~2", "dup"]
+    assert b.summary()["request_id"] == "dup"
+    c = log.open("dup", "chatcmpl-c", 0.0, prompt_tokens=1, n=1, scope=object())
+    assert c.key == "dup~3" and log.get("dup") is c
+    log.reject("dup", "chatcmpl-d", 2, "busy", scope=object())  # a fourth, refused
+    d = log.get("chatcmpl-d")
+    assert d is not None and d.key == "dup~4" and d.status == "rejected" and log.get("dup") is d
+    log.close(c)  # the ring keeps 2: dup~4 and dup~3; "dup" and "dup~2" are gone
+    assert log.get("chatcmpl-a") is None and log.get("chatcmpl-b") is None
+    assert log.get("dup~3") is c

@@ -194,6 +194,31 @@ async def test_disaggregated_record_names_both_workers_and_kv_bytes(tokenizer: T
         assert missing.json()["error"]["code"] == "request_not_found"
 
 
+async def test_requests_sharing_an_x_request_id_get_records_of_their_own(
+    tokenizer: Tokenizer,
+) -> None:
+    """Two concurrent requests with one x-request-id: each response carries it, each has a
+    record of its own (the later under 'twin~2'), each findable by its response id."""
+    async with served(tokenizer) as (_, _, client):
+        rs = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/completions",
+                    json=completion([5, 6, 7], 4),
+                    headers={"x-request-id": "twin"},
+                )
+                for _ in range(2)
+            )
+        )
+        assert [r.status_code for r in rs] == [200, 200]
+        assert [r.headers["x-request-id"] for r in rs] == ["twin", "twin"]
+        recs = [await record(client, r.json()["id"]) for r in rs]
+        assert sorted(rec["id"] for rec in recs) == ["twin", "twin~2"]
+        assert all(rec["request_id"] == "twin" and rec["status"] == "finished" for rec in recs)
+        assert all(len(rec["sequences"]) == 1 for rec in recs)
+        assert (await record(client, "twin"))["id"] == "twin~2"  # the plain id: the newest
+
+
 async def test_migrated_request_shows_the_migration_and_its_cause(tokenizer: Tokenizer) -> None:
     decodes = [{"step_s": 0.05}, {"step_s": 0.005}]
     async with served(tokenizer, decodes=decodes) as (c, _, client):

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from pdserve.engine.batch import ScheduledSeq
+from pdserve.engine.request import EngineRequest
+from pdserve.engine.sequence import EngineSeq
 from pdserve.sampling import Sampler
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured.grammar import (
@@ -209,3 +211,27 @@ def test_grammar_beats_min_tokens_and_errored_state_ends(
     assert broken.error
     s2 = ScheduledSeq("b", [0], 0, [0], True, SamplingParams(temperature=0.0), grammar=broken)
     assert sampler(logits, [s2])[0].token_id in eos
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 10}, {"ignore_eos": True}])
+def test_grammar_end_ends_the_sequence_despite_min_tokens_and_ignore_eos(
+    compiler: GrammarCompiler, smol_tokenizer: Tokenizer, extra: dict[str, object]
+) -> None:
+    """Once the grammar is complete only EOS may follow; that EOS ends the request with 'stop'
+    instead of repeating until min_tokens (or max_tokens) and billing each repeat."""
+    eos = smol_tokenizer.eos_token_ids
+    spec = StructuredOutputSpec.choice(["yes"], "guided_choice")
+    p = SamplingParams(temperature=0.0, max_tokens=20, structured=spec, **extra)  # type: ignore[arg-type]
+    seq = EngineSeq(EngineRequest("a", (1, 2, 3), p), grammar=compiler.matcher(spec))
+    sampler = Sampler(VOCAB, eos)
+    reason = None
+    while reason is None and len(seq.output_token_ids) < 8:
+        sched = ScheduledSeq(
+            "a", seq.token_ids[-1:], len(seq.token_ids) - 1, [0], True, p,
+            seq.prompt_token_ids, seq.output_token_ids, seq.grammar,
+        )  # fmt: skip
+        tok = sampler(torch.zeros(1, VOCAB), [sched])[0]
+        reason = seq.append_token(tok.token_id, eos, 64)
+    assert reason == "stop"
+    assert seq.output_token_ids[-1] in eos
+    assert smol_tokenizer.decode(seq.output_token_ids[:-1]) == "yes"
