@@ -241,15 +241,15 @@ class StepRunner:
     def __init__(self, args: argparse.Namespace, backend: str, huge_pages: bool = True) -> None:
         from unittest import mock
 
+        from pdserve import huge_pages as huge_pages_mod
         from pdserve.config import CacheConfig, EngineConfig, LoadConfig
         from pdserve.engine.batch import ScheduledSeq
         from pdserve.engine.runner import ModelRunner
-        from pdserve.kv_cache import pool
         from pdserve.sampling_params import SamplingParams
 
         load = LoadConfig(model=args.model, dtype=args.step_dtype, attention_backend=backend)
         cfg = EngineConfig(load=load, cache=CacheConfig(num_blocks=4096))
-        small_pages = mock.patch.object(pool, "advise_huge_pages", return_value=False)
+        small_pages = mock.patch.object(huge_pages_mod, "advise_huge_pages", return_value=False)
         with contextlib.nullcontext() if huge_pages else small_pages:  # 4 KiB: before session 14
             self.runner = ModelRunner(cfg)
         attn = self.runner.model.attn_backend

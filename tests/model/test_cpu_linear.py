@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -79,6 +80,35 @@ def test_pack_linears_keeps_the_model_output(tied: bool) -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # the embedding itself stays a dense table
     assert torch.equal(packed.input_embeddings().weight, dense.input_embeddings().weight)
+
+
+@needs_onednn
+def test_panels_share_one_mapping_on_huge_pages() -> None:
+    """pack_linears puts every skinny panel in one mapping, each at a 4 KiB boundary, with the
+    packed values unchanged; a mapping of 2 MiB or more asks Linux for huge pages."""
+    if skinny_reason() is not None:
+        pytest.skip("no skinny kernel on this CPU: no panels to place")
+    load = LoadConfig(model="dummy", load_format="dummy", dtype="float32", seed=3)
+    model = load_model(load, TINY)
+    weights = {
+        n: m.weight.detach().clone()
+        for n, m in model.named_modules()
+        if hasattr(m, "weight") and isinstance(m, torch.nn.Linear)
+    }
+    pack_linears(model)
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    panels = [m.skinny_weight for m in mods.values()]
+    assert panels and all(p is not None for p in panels)
+    base = min(p.data_ptr() for p in panels)
+    assert len({p.untyped_storage().data_ptr() for p in panels}) == 1
+    assert all((p.data_ptr() - base) % 4096 == 0 for p in panels)
+    for name, w in weights.items():
+        assert torch.equal(mods[name].skinny_weight, skinny_pack(w))
+    big = torch.nn.Sequential(PackedLinear(torch.randn(1024, 1024), None))
+    before = big[0].skinny_weight.clone()
+    huge = cpu_linear.panels_on_huge_pages(big)
+    assert huge == sys.platform.startswith("linux")
+    assert torch.equal(big[0].skinny_weight, before)
 
 
 # ------------------------------------------------------- the skinny (few-row) fp32 and bf16 kernels
