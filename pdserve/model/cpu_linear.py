@@ -15,12 +15,14 @@ pack (fp16 without avx512_fp16, a non-CPU device, a torch built without MKL-DNN)
 ``nn.Linear``.
 
 Skinny calls (a decode step's few rows) go elsewhere: oneDNN's kernels stream a weight at 5-8 GB/s
-there, below what one core can pull. Where the CPU has AVX-512F (fp32) or AVX512_BF16 (bf16), a
-:class:`PackedLinear` can also hold the weight in column panels for ``cpu_kernels/skinny_gemm.c``
-and runs calls of :func:`skinny_rows` rows with it (SmolLM2-135M fp32, the 30 layers'
-four linears plus the LM head at 16 rows, measured on an AMX Xeon, one thread: 62.8 against 87.0
-ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467 against 597 ms, so larger
-calls stay with oneDNN; bf16 in docs/benchmarks.md). The panels are a second copy of the weight:
+there, below what one core can pull. Where the CPU has AVX-512F or AVX2 with FMA (fp32), or
+AVX512_BF16 (bf16), a :class:`PackedLinear` can also hold the weight in column panels for
+``cpu_kernels/skinny_gemm.c`` and runs calls of :func:`skinny_rows` rows with it (SmolLM2-135M
+fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AMX Xeon, one
+thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467
+against 597 ms, so larger calls stay with oneDNN; on an AVX2-only Zen 1 EPYC, where 16 rows are
+bound by the FMA rate rather than DRAM, 137.5 against 182.3 ms, and still 1.10x at 32 rows; bf16
+in docs/benchmarks.md). The panels are a second copy of the weight:
 the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32, ~270
 MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by
 rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).
@@ -68,7 +70,7 @@ SKINNY_ROWS_AMX_BF16 = (1, 4)
 SKINNY_ROWS_AMX_TILES = (1, 16)
 # the C entry point and the CPU feature it needs, per weight dtype
 _SKINNY_FUNCS = {
-    torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F"),
+    torch.float32: ("pd_skinny_gemm_f32", "pd_skinny_available", "AVX-512F or AVX2 with FMA"),
     torch.bfloat16: ("pd_skinny_gemm_bf16", "pd_skinny_bf16_available", "AVX512_BF16"),
 }
 
@@ -245,7 +247,7 @@ def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:
 def skinny_applies(weight: torch.Tensor) -> bool:
     """True when ``weight`` gets skinny panels by default: a 2-D fp32 or bf16 CPU tensor (bf16:
     an even number of columns K) and the kernel for its dtype built and loaded here (fp32:
-    AVX-512F, bf16: AVX512_BF16; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
+    AVX-512F, or AVX2 with FMA; bf16: AVX512_BF16; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
     return (
         weight.dim() == 2
         and weight.device.type == "cpu"
