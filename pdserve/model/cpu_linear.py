@@ -247,7 +247,8 @@ def skinny_reason(dtype: torch.dtype = torch.float32) -> str | None:
 def skinny_applies(weight: torch.Tensor) -> bool:
     """True when ``weight`` gets skinny panels by default: a 2-D fp32 or bf16 CPU tensor (bf16:
     an even number of columns K) and the kernel for its dtype built and loaded here (fp32:
-    AVX-512F, or AVX2 with FMA; bf16: AVX512_BF16; a C compiler; see :mod:`pdserve.attention.cpu_build`)."""
+    AVX-512F, or AVX2 with FMA; bf16: AVX512_BF16; a C compiler; see
+    :mod:`pdserve.attention.cpu_build`)."""
     return (
         weight.dim() == 2
         and weight.device.type == "cpu"
