@@ -24,6 +24,10 @@ Variables (all optional):
   of the one-call C step (pdserve/model/cpu_decode.py).
 - ``PDSERVE_CPU_DECODE_HELPER``: ``0`` keeps that C step on its own thread, without the
   idle-priority helper thread it otherwise shares its matmuls and attention with.
+- ``PDSERVE_CPU_PREFILL_HELPER``: how a prefill worker shares its matmuls with a helper thread
+  (pdserve/model/cpu_linear.py): ``0`` (or ``off``) never, ``idle`` with the helper at
+  ``SCHED_IDLE``, a niceness ``1``-``19`` with the helper at that niceness; unset or ``auto``:
+  the measured default for this CPU.
 - ``GRPC_ENABLE_FORK_SUPPORT`` (gRPC's own): set to ``0`` by :func:`configure_grpc_fork_support`
   unless already set.
 
@@ -54,6 +58,7 @@ CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
 CPU_SAMPLING_KERNEL = "PDSERVE_CPU_SAMPLING_KERNEL"
 CPU_FUSED_DECODE = "PDSERVE_CPU_FUSED_DECODE"
 CPU_DECODE_HELPER = "PDSERVE_CPU_DECODE_HELPER"
+CPU_PREFILL_HELPER = "PDSERVE_CPU_PREFILL_HELPER"
 
 
 def _get(name: str) -> str | None:
@@ -150,6 +155,24 @@ def cpu_decode_helper() -> bool:
     (the fused decode step shares its matmuls and attention with an idle-priority helper thread:
     :mod:`pdserve.model.cpu_decode`)."""
     return _flag(CPU_DECODE_HELPER)
+
+
+def cpu_prefill_helper() -> str | int | None:
+    """``PDSERVE_CPU_PREFILL_HELPER``: None (unset or ``auto``), ``"off"`` (``0``, ``false``,
+    ``no``, ``off``), ``"idle"``, or a niceness 1-19 (int). Raises ValueError for anything
+    else."""
+    value = (_get(CPU_PREFILL_HELPER) or "auto").lower()
+    if value == "auto":
+        return None
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value == "idle":
+        return "idle"
+    if value.isdigit() and 1 <= int(value) <= 19:
+        return int(value)
+    raise ValueError(
+        f"{CPU_PREFILL_HELPER} must be auto, off, idle or a niceness 1-19, got {value!r}"
+    )
 
 
 def _flag(name: str) -> bool:

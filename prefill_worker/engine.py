@@ -142,9 +142,20 @@ class PrefillEngine(WorkerEngine):
         from kv_transfer import make_sender
         from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
+        from pdserve.model.cpu_linear import prefill_helper_setting, share_prefill_linears
+        from pdserve.model.loader import torch_dtype
 
-        # a prefill worker never decodes: no second (skinny) copy of its weights
-        runner = ModelRunner(config, model_config, skinny_linears=False)
+        # A prefill worker never decodes: its weights get the skinny kernel's panels (a second
+        # copy) only where it shares its matmuls with the helper thread.
+        nice = None
+        if config.load.device == "cpu":
+            nice = prefill_helper_setting(torch_dtype(config.load.resolved_dtype))
+        runner = ModelRunner(
+            config, model_config, skinny_linears=None if nice is not None else False
+        )
+        if nice is not None and share_prefill_linears(nice):
+            logger.info("prefill matmuls shared with a helper thread (niceness %s)",
+                     "SCHED_IDLE" if nice < 0 else nice)  # fmt: skip
         if sender is not None:
             return cls(config, runner, sender, name=name, faults=faults)
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)

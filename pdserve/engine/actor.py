@@ -27,6 +27,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -49,10 +50,23 @@ def threads_for(num_cpus: float) -> int:
     return max(1, round(num_cpus))
 
 
+# the name of decode_layers.c's helper thread, whose scheduling the kernel library sets itself
+HELPER_THREAD_NAME = "pdserve-helper"
+
+
+def _thread_name(tid: int) -> str:
+    """Thread ``tid`` of this process's name ('' when it cannot be read)."""
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def restore_priority() -> int:
     """Lower the niceness of every thread of this process to 0 where it is above (a Ray worker
     starts at 15); see the module docstring. On Linux niceness belongs to each thread (new threads
-    inherit their creator's), so all live threads are set, via ``/proc/self/task``. Returns the
+    inherit their creator's), so all live threads are set, via ``/proc/self/task``, except the
+    kernels' helper thread (:data:`HELPER_THREAD_NAME`), which sets its own. Returns the
     calling thread's niceness afterwards; a refusal is logged, not raised."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -60,6 +74,8 @@ def restore_priority() -> int:
         tids = [0]
     for tid in tids:
         try:
+            if tid and _thread_name(tid) == HELPER_THREAD_NAME:
+                continue  # its niceness is its own (see share_prefill_linears)
             if os.getpriority(os.PRIO_PROCESS, tid) > 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
         except ProcessLookupError:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -42,7 +43,7 @@ from torch import nn
 
 from pdserve import env
 from pdserve.attention.cpu_build import load_library
-from pdserve.cpu import has_amx_bf16
+from pdserve.cpu import cpu_flags, has_amx_bf16
 from pdserve.huge_pages import empty_on_huge_pages
 from pdserve.model.ops import opaque_op
 from pdserve.model.registry import CausalLM
@@ -140,6 +141,10 @@ def _packed_linear(
         fn = _skinny_kernel(x.dtype)[0]
         if lo <= rows <= hi and fn is not None:
             return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
+        if rows > hi and _sharing.on:
+            y = _shared_run(x, skinny_weight, packed_weight.shape[0], bias)
+            if y is not None:
+                return y
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
 
@@ -345,6 +350,115 @@ def _skinny_run(
         )  # fmt: skip
         if rc != 0:  # the kernel's copy of x could not be allocated
             raise MemoryError(f"skinny GEMM kernel failed ({rc}) for x {tuple(x2.shape)}")
+    return y.view(*x.shape[:-1], out_features)
+
+
+class _Sharing:
+    """Whether this process's large matmuls go to the shared path (:func:`share_prefill_linears`)."""
+
+    on = False
+
+
+_sharing = _Sharing()
+SHARED_SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_layers.c"
+# The helper's scheduling for a prefill worker's shared matmuls where PDSERVE_CPU_PREFILL_HELPER
+# is auto and the CPU is one where they pay (prefill_helper_setting): SCHED_IDLE. A niceness trades
+# the decode core's time for prefill at a poor rate (Zen 1 EPYC, a prefill's matmuls beside a
+# process running decode-sized ones on the other core, alternated: niceness 5 prefill 1.09x
+# faster, decode 0.93x; niceness 2: 1.13x and 0.78x; docs/benchmarks.md, session 26).
+DEFAULT_PREFILL_HELPER = -1
+
+
+@functools.cache
+def _shared_entry() -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+    """The loaded ``decode_layers`` library (its ``pd_shared_linear`` typed) and the addresses of
+    the skinny kernel's split entry points, or None where either cannot be built here."""
+    kl = load_library(SHARED_SOURCE)
+    if kl.lib is None:
+        return None
+    try:
+        split = skinny_split()
+    except RuntimeError:
+        return None
+    lib = kl.lib
+    lib.pd_shared_linear.argtypes = [
+        _INT, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64,
+    ]  # fmt: skip
+    lib.pd_shared_linear.restype = _INT
+    lib.pd_helper_set_nice.argtypes, lib.pd_helper_set_nice.restype = [_INT], None
+    addrs = tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in split)
+    return lib, cast(tuple[int, int, int], addrs)
+
+
+def prefill_helper_setting(dtype: torch.dtype) -> int | None:
+    """How a prefill worker of ``dtype`` weights shares its matmuls here: None (it does not), -1
+    (with the helper at ``SCHED_IDLE``) or the helper's niceness (1-19).
+
+    ``PDSERVE_CPU_PREFILL_HELPER`` decides (:func:`pdserve.env.cpu_prefill_helper`); ``auto``
+    shares with the helper at ``SCHED_IDLE`` (:data:`DEFAULT_PREFILL_HELPER`) for fp32 on a CPU
+    without AVX-512, where the skinny kernel's fp32 blocks run a prefill's matmuls as fast as
+    oneDNN (Zen 1 EPYC, one thread, SmolLM2-135M's linears at 256 rows: 1980 against 1989 ms,
+    docs/benchmarks.md), so sharing costs nothing when the other CPU is busy; on AVX-512 CPUs
+    oneDNN is faster there (0.78x at 256 rows on the AMX Xeon). Never where the kernel cannot run
+    (:func:`skinny_reason`) or the process may use only one CPU. Raises ValueError for a bad
+    variable."""
+    setting = env.cpu_prefill_helper()
+    if (
+        setting == "off"
+        or dtype not in _SKINNY_FUNCS
+        or skinny_reason(dtype) is not None
+        or len(os.sched_getaffinity(0)) < 2
+        or _shared_entry() is None
+    ):
+        return None
+    if setting is None:
+        fits = dtype == torch.float32 and "avx512f" not in cpu_flags()
+        return DEFAULT_PREFILL_HELPER if fits else None
+    return -1 if setting == "idle" else int(setting)
+
+
+def share_prefill_linears(nice: int | None) -> bool:
+    """Route this process's :class:`PackedLinear` calls of more rows than :func:`skinny_rows`
+    (a prefill's) to ``pd_shared_linear`` in ``cpu_kernels/decode_layers.c``: the skinny kernel's
+    panels, with the idle-core helper thread computing chunks beside the calling thread (the
+    decode step's protocol: whatever the helper has not finished in time the caller takes back,
+    so a call never waits on a preempted helper). ``nice``: the helper's scheduling, -1
+    ``SCHED_IDLE`` (it runs only on a CPU nothing else wants), 1-19 a niceness (it competes for a
+    busy CPU, getting about 1.25^-nice the share of a thread at 0), None: turn sharing off.
+    Only linears that hold panels share (``skinny`` in :func:`pack_linears`). Returns whether
+    sharing is on (False where the library cannot be built)."""
+    entry = _shared_entry() if nice is not None else None
+    if entry is not None:
+        entry[0].pd_helper_set_nice(int(nice or 0))
+    _sharing.on = entry is not None
+    return _sharing.on
+
+
+def _shared_run(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``x @ W.T + bias`` through ``pd_shared_linear``, for arguments :func:`_packed_linear`
+    checked; None when the helper is busy elsewhere (the caller runs oneDNN). Raises MemoryError
+    when the kernel's buffers cannot grow."""
+    entry = _shared_entry()
+    if entry is None:
+        return None
+    lib, (prepare, run_panels, prep_bytes) = entry
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    rc = lib.pd_shared_linear(
+        0 if x.dtype == torch.float32 else 1, prepare, run_panels, prep_bytes,
+        x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+    )  # fmt: skip
+    if rc == 1 or rc == -1:  # the helper is busy, or the kernel does not take these shapes
+        return None
+    if rc != 0:
+        raise MemoryError(f"shared GEMM failed ({rc}) for x {tuple(x2.shape)}")
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -36,6 +36,7 @@
 #include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -289,15 +290,19 @@ enum { CH_FREE = 0, CH_MAIN = 1, CH_HELPER = 2, CH_DONE = 3 }; /* low 2 bits of 
 #define MAX_CHUNKS 1024
 #define CHUNK_BYTES (96 * 1024) /* weight bytes per matmul chunk: ~7 us at 14 GB/s */
 #define HELPER_SPIN_NS 300000   /* an idle helper spins this long before it sleeps */
+#define HELPER_THREAD_NAME "pdserve-helper"
 #define TAG(seq, st) ((seq) << 2 | (uint64_t)(st))
 
 /* One op split in chunks: a matmul's panel ranges or the attention's sequence ranges. */
 typedef struct {
     int kind, nchunks, dtype, path;
     int64_t per, es;
-    /* JOB_LINEAR: y[m, n] (row stride ldy) = prep's x @ W^T + bias, panels [c per, (c+1) per) */
+    /* JOB_LINEAR: y[m, n] (row stride ldy) = prep's x @ W^T + bias in chunks of rows_per rows
+     * (a multiple of the skinny kernel's row block, or all m) by per panels: chunk c is panel
+     * group c % groups of row block c / groups */
     const void *prep, *packed, *bias;
-    int64_t m, k, n, ldy;
+    int64_t m, k, n, ldy, rows_per, groups;
+    panels_fn panels;
     /* JOB_ATTEND: decodes [c per, (c+1) per) of q [B, heads, D] -> out rows */
     const void *q, *k_cache, *v_cache;
     const int32_t *tables, *seq_lens;
@@ -351,12 +356,16 @@ static void helper_wake(void) {
 
 /* Chunk c of job j into dst (j->y or j->mirror). Returns 0, or a kernel's nonzero code. */
 static int run_chunk(const Job *j, int c, char *dst) {
-    const int64_t lo = c * j->per;
     if (j->kind == JOB_LINEAR) {
+        const int64_t r0 = c / j->groups * j->rows_per, lo = c % j->groups * j->per;
+        const int64_t rows = j->m - r0 < j->rows_per ? j->m - r0 : j->rows_per;
         const int64_t panels = (j->n + 15) / 16, hi = lo + j->per < panels ? lo + j->per : panels;
-        return j->model->panels(j->dtype, j->path, j->prep, j->m, j->k, j->packed, j->n, j->bias,
-                                dst, j->ldy, lo, hi);
+        /* the operand copy keeps row blocks whole and in order: rows from r0 start r0 k elements
+         * in */
+        return j->panels(j->dtype, j->path, (const char *)j->prep + r0 * j->k * j->es, rows, j->k,
+                         j->packed, j->n, j->bias, dst + r0 * j->ldy * j->es, j->ldy, lo, hi);
     }
+    const int64_t lo = c * j->per;
     const DlModel *m = j->model;
     const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m;
     const int64_t q_n = (int64_t)m->heads * m->head_dim;
@@ -369,35 +378,60 @@ static int run_chunk(const Job *j, int c, char *dst) {
 
 /* Chunk c's outputs from the helper's mirror into the output. */
 static void copy_chunk(const Job *j, int c) {
-    const int64_t lo = c * j->per;
     if (j->kind == JOB_LINEAR) {
+        const int64_t r0 = c / j->groups * j->rows_per, lo = c % j->groups * j->per;
+        const int64_t r1 = r0 + j->rows_per < j->m ? r0 + j->rows_per : j->m;
         const int64_t c0 = lo * 16, c1 = (lo + j->per) * 16 < j->n ? (lo + j->per) * 16 : j->n;
-        for (int64_t r = 0; r < j->m; r++) {
+        for (int64_t r = r0; r < r1; r++) {
             const int64_t at = (r * j->ldy + c0) * j->es;
             memcpy((char *)j->y + at, (const char *)j->mirror + at, (size_t)((c1 - c0) * j->es));
         }
         return;
     }
-    const int64_t hi = lo + j->per < j->m ? lo + j->per : j->m;
+    const int64_t lo = c * j->per, hi = lo + j->per < j->m ? lo + j->per : j->m;
     const int64_t row = (int64_t)j->model->heads * j->model->head_dim * j->es;
     memcpy((char *)j->y + lo * row, (const char *)j->mirror + lo * row, (size_t)((hi - lo) * row));
 }
 
+/* The helper's scheduling: -1 (the default) SCHED_IDLE, else SCHED_OTHER at this niceness
+ * (pd_helper_set_nice). */
+static _Atomic int helper_nice = -1;
+
+/* The calling thread (the helper) to scheduling `nice` (as helper_nice); best effort. */
+static void apply_priority(int nice) {
+#if defined(__linux__) && defined(SCHED_IDLE)
+    struct sched_param none = {0};
+    if (nice < 0) {
+        pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+        return;
+    }
+    pthread_setschedparam(pthread_self(), SCHED_OTHER, &none);
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), nice);
+#else
+    (void)nice;
+#endif
+}
+
 static void *helper_main(void *arg) {
     (void)arg;
-#if defined(SCHED_IDLE)
-    struct sched_param none = {0};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* best effort */
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), HELPER_THREAD_NAME); /* pdserve/engine/actor.py skips it */
 #endif
+    int nice = atomic_load(&helper_nice);
+    apply_priority(nice);
     uint64_t seen = 0;
     int64_t idle_since = now_ns();
     for (;;) {
+        const int want = atomic_load(&helper_nice);
+        if (want != nice) apply_priority(nice = want);
         const uint32_t w = atomic_load(&pool.wake);
         const uint64_t s = atomic_load(&pool.seq);
         if (s == seen || (s & 1)) {
             if (atomic_load(&pool.active)) {
                 idle_since = now_ns();
-            } else if (now_ns() - idle_since > HELPER_SPIN_NS) {
+            } else if (nice >= 0 || now_ns() - idle_since > HELPER_SPIN_NS) {
+                /* a helper that competes for its CPU (nice >= 0) spins only inside an op: its
+                 * spinning would take time from the threads it shares the CPU with */
                 helper_sleep(w);
                 idle_since = now_ns();
                 continue;
@@ -533,6 +567,87 @@ static int run_shared(const Job *j) {
     }
     return rc;
 }
+
+/* ---- a prefill matmul shared with the helper --------------------------------------------------
+ *
+ * A prefill's matmuls (hundreds to thousands of rows) run on the same protocol: chunks of
+ * SHARED_ROW_BLOCK rows by a few panels, sized to ~SHARED_CHUNK_FLOPS (~0.25 ms at the ~30 GFLOP/s
+ * one AVX2 core does), the row block kept in cache while its chunks sweep the panels. The
+ * operand copy and the helper's mirror live in shared_bufs, used under pool.lock; they only grow,
+ * and an outgrown buffer is kept (a preempted helper may still read or write it), so what they
+ * hold is bounded by twice the largest call's needs. */
+
+#define SHARED_ROW_BLOCK 96 /* a multiple of the skinny kernel's row block (6 with AVX2, 16) */
+#define SHARED_CHUNK_FLOPS 8000000
+#define MAX_RETIRED 64
+
+static struct {
+    char *prep, *mirror;
+    int64_t prep_cap, mirror_cap;
+    void *retired[MAX_RETIRED];
+    int num_retired;
+} shared_bufs;
+
+/* *buf (of *cap bytes) at least want bytes. Returns 0, or -1 when memory runs out. */
+static int grow_buf(char **buf, int64_t *cap, int64_t want) {
+    if (want <= *cap) return 0;
+    if (*buf && shared_bufs.num_retired == MAX_RETIRED) return -1;
+    int64_t size = *cap ? *cap : 1 << 20;
+    while (size < want) size *= 2;
+    char *fresh = aligned_alloc(64, (size_t)((size + 63) / 64 * 64));
+    if (!fresh) return -1;
+    if (*buf) shared_bufs.retired[shared_bufs.num_retired++] = *buf;
+    *buf = fresh;
+    *cap = size;
+    return 0;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T + bias with the skinny kernel's
+ * panels (packed), the helper computing chunks while the calling thread computes others, for
+ * matmuls with more rows than a decode step's (m > 16). prepare, panels, prep_bytes: the kernel's
+ * split entry points (pd_skinny_prepare, pd_skinny_panels, pd_skinny_prep_bytes); dtype DL_F32 or
+ * DL_BF16. Returns 0; 1 when the call was not run because the helper is busy with another
+ * caller's op (a decode step, or another thread's matmul) or cannot be started: the caller runs
+ * the matmul itself; -1 when the kernel does not take these shapes; -2 out of memory. */
+int pd_shared_linear(int dtype, prepare_fn prepare, panels_fn panels, prep_bytes_fn prep_bytes,
+                     const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
+                     int64_t n, const void *bias, void *y, int64_t ldy) {
+    if (m <= 16 || !pool_start() || pthread_mutex_trylock(&pool.lock) != 0) return 1;
+    const int64_t es = dtype == DL_F32 ? 4 : 2, npanels = (n + 15) / 16;
+    int rc = 0;
+    if (grow_buf(&shared_bufs.prep, &shared_bufs.prep_cap, prep_bytes(m, k)) ||
+        grow_buf(&shared_bufs.mirror, &shared_bufs.mirror_cap, m * ldy * es)) {
+        rc = -2;
+    } else {
+        const int path = prepare(dtype, x, m, k, ldx, shared_bufs.prep);
+        const int64_t rows_per = SHARED_ROW_BLOCK, blocks = (m + rows_per - 1) / rows_per;
+        int64_t per = SHARED_CHUNK_FLOPS / (2 * rows_per * 16 * k);
+        if (per < 1) per = 1;
+        while (blocks * ((npanels + per - 1) / per) > MAX_CHUNKS) per *= 2;
+        const int64_t groups = (npanels + per - 1) / per;
+        const Job j = {.kind = JOB_LINEAR, .nchunks = (int)(blocks * groups), .dtype = dtype,
+                       .path = path, .per = per, .es = es, .prep = shared_bufs.prep,
+                       .packed = packed, .bias = bias, .m = m, .k = k, .n = n, .ldy = ldy,
+                       .rows_per = rows_per, .groups = groups, .panels = panels, .y = y,
+                       .mirror = shared_bufs.mirror};
+        if (path < 0) {
+            rc = -1;
+        } else {
+            atomic_store(&pool.active, 1);
+            helper_wake();
+            rc = run_shared(&j);
+            atomic_store(&pool.active, 0);
+        }
+    }
+    pthread_mutex_unlock(&pool.lock);
+    return rc;
+}
+
+/* The helper's scheduling from now on: nice < 0 SCHED_IDLE (the default: it runs only on a CPU
+ * nothing else wants), else SCHED_OTHER at niceness nice (0 to 19), competing for CPU time with
+ * the other threads of the machine by weight (Linux gives a thread at niceness n about 1.25^-n
+ * the share of one at 0). */
+void pd_helper_set_nice(int nice) { atomic_store(&helper_nice, nice < 0 ? -1 : nice > 19 ? 19 : nice); }
 
 /* ---- the step's context: everything the helper may touch, alive until pd_decode_ctx_free ---- */
 
@@ -697,10 +812,11 @@ static int linear(const Step *st, const void *x, int64_t B, int64_t k, const voi
     int64_t per = CHUNK_BYTES / (k * 16 * es);
     if (per < 1) per = 1;
     if ((panels + per - 1) / per > MAX_CHUNKS) per = (panels + MAX_CHUNKS - 1) / MAX_CHUNKS;
-    const Job j = {.kind = JOB_LINEAR, .nchunks = (int)((panels + per - 1) / per), .dtype = dt,
-                   .path = path, .per = per, .es = es, .prep = st->ctx->prep, .packed = packed,
-                   .bias = bias, .m = B, .k = k, .n = n, .ldy = ldy, .model = m, .y = y,
-                   .mirror = st->ctx->mirror};
+    const int64_t groups = (panels + per - 1) / per;
+    const Job j = {.kind = JOB_LINEAR, .nchunks = (int)groups, .dtype = dt, .path = path,
+                   .per = per, .es = es, .prep = st->ctx->prep, .packed = packed, .bias = bias,
+                   .m = B, .k = k, .n = n, .ldy = ldy, .rows_per = B, .groups = groups,
+                   .panels = m->panels, .model = m, .y = y, .mirror = st->ctx->mirror};
     return run_shared(&j);
 }
 
