@@ -190,13 +190,16 @@ class DecodeEngine(WorkerEngine):
         KV receiver of ``config.transfer.backend`` on ``config.transfer.host:kv_port`` (0 = a
         free port), scattering into the runner's pool. With a prefill thread
         (:func:`use_prefill_thread` of ``config.scheduler.local_prefill_thread``) it first halves
-        this process's intra-op threads (``torch.set_num_threads``), one half per loop. Raises
-        ConfigError / ValueError."""
+        this process's intra-op threads (``torch.set_num_threads``), one half per loop, and on CPU
+        lets the prefills' matmuls share the decode steps' helper thread
+        (:func:`pdserve.model.cpu_linear.prefill_helper_setting`). Raises ConfigError /
+        ValueError."""
         import torch
 
         from kv_transfer import make_receiver
         from kv_transfer.base import KVLayout
         from pdserve.engine.runner import ModelRunner
+        from pdserve.model.cpu_linear import prefill_helper_setting, share_prefill_linears
 
         threads = torch.get_num_threads()
         setting = config.scheduler.local_prefill_thread
@@ -204,6 +207,10 @@ class DecodeEngine(WorkerEngine):
         if prefill_thread:
             torch.set_num_threads(max(1, threads // 2))
         runner = ModelRunner(config, model_config)
+        if prefill_thread and config.load.device == "cpu":
+            # the prefill thread's matmuls share the helper with the decode steps, so a prefill
+            # also runs on the decode loop's CPU while that one idles
+            share_prefill_linears(prefill_helper_setting(runner.dtype))
         layout = KVLayout.from_pool(runner.kv_pool, runner.model_config.model_id)
         receiver = make_receiver(config.transfer, runner.kv_pool, layout, port=kv_port)
         engine = cls(

@@ -59,9 +59,7 @@ def _until_helper_counted(run: Callable[[], None], counter: int) -> bool:
 @needs_shared
 @pytest.mark.parametrize("rows", [33, 95, 96, 97, 300])
 @pytest.mark.parametrize(("n", "k", "bias"), [(40, 24, True), (960, 576, False), (3, 130, True)])
-def test_shared_matmul_matches_dense(
-    sharing: None, rows: int, n: int, k: int, bias: bool
-) -> None:
+def test_shared_matmul_matches_dense(sharing: None, rows: int, n: int, k: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows + n)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
@@ -136,9 +134,10 @@ def test_prefill_helper_setting_reads_the_variable(monkeypatch: pytest.MonkeyPat
 
 @needs_shared
 def test_a_sharing_prefill_engine_holds_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiny_models import TINY
+
     from pdserve.config import CacheConfig, EngineConfig, LoadConfig
     from prefill_worker.engine import PrefillEngine
-    from tiny_models import TINY
 
     load = LoadConfig(model="dummy", load_format="dummy", dtype="float32", seed=3)
     config = EngineConfig(load=load, cache=CacheConfig(num_blocks=8))
