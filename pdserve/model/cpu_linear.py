@@ -386,8 +386,11 @@ def _shared_entry() -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
     ]  # fmt: skip
     lib.pd_shared_linear.restype = _INT
     lib.pd_helper_set_nice.argtypes, lib.pd_helper_set_nice.restype = [_INT], None
-    addrs = tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in split)
-    return lib, cast(tuple[int, int, int], addrs)
+    prepare, panels, prep_bytes = (
+        int(ctypes.cast(f, ctypes.c_void_p).value or 0)  # type: ignore[arg-type]
+        for f in split
+    )
+    return lib, (prepare, panels, prep_bytes)
 
 
 def prefill_helper_setting(dtype: torch.dtype) -> int | None:
@@ -424,13 +427,14 @@ def share_prefill_linears(nice: int | None) -> bool:
     decode step's protocol: whatever the helper has not finished in time the caller takes back,
     so a call never waits on a preempted helper). ``nice``: the helper's scheduling, -1
     ``SCHED_IDLE`` (it runs only on a CPU nothing else wants), 1-19 a niceness (it competes for a
-    busy CPU, getting about 1.25^-nice the share of a thread at 0), None: turn sharing off.
-    Only linears that hold panels share (``skinny`` in :func:`pack_linears`). Returns whether
-    sharing is on (False where the library cannot be built)."""
-    entry = _shared_entry() if nice is not None else None
+    busy CPU, getting about 1.25^-nice the share of a thread at 0), None: turn sharing off (and
+    the helper back to ``SCHED_IDLE``). Only linears that hold panels share (``skinny`` in
+    :func:`pack_linears`). Returns whether sharing is on (False where the library cannot be
+    built)."""
+    entry = _shared_entry()
     if entry is not None:
-        entry[0].pd_helper_set_nice(int(nice or 0))
-    _sharing.on = entry is not None
+        entry[0].pd_helper_set_nice(-1 if nice is None else int(nice))
+    _sharing.on = entry is not None and nice is not None
     return _sharing.on
 
 
