@@ -326,6 +326,16 @@ def skinny_linear(
     return _skinny_run(fn, x, panels, out_features, bias)
 
 
+def _rows_and_output(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., K] as [rows, K] with unit column stride (a view where it can be), and a new
+    [rows, out_features] output of x's dtype: the C kernels' operands."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], out_features, dtype=x.dtype)
+
+
 def _skinny_run(
     fn: Callable[..., int],
     x: torch.Tensor,
@@ -336,12 +346,8 @@ def _skinny_run(
     """The kernel call itself, for arguments already known to fit (what :func:`skinny_linear`
     checks; a :class:`PackedLinear` builds its panels and bias so, and checks x per call).
     Raises MemoryError when the kernel cannot allocate its interleaved copy of x."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if k > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty(rows, out_features, dtype=x.dtype)
+    x2, y = _rows_and_output(x, out_features)
+    k, rows = x2.shape[1], x2.shape[0]
     if rows:
         rc = fn(
             x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
@@ -448,12 +454,8 @@ def _shared_run(
     if entry is None:
         return None
     lib, (prepare, run_panels, prep_bytes) = entry
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if k > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty(rows, out_features, dtype=x.dtype)
+    x2, y = _rows_and_output(x, out_features)
+    k, rows = x2.shape[1], x2.shape[0]
     rc = lib.pd_shared_linear(
         0 if x.dtype == torch.float32 else 1, prepare, run_panels, prep_bytes,
         x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
