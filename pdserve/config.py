@@ -277,7 +277,9 @@ class SchedulerConfig:
     ``local_prefill_thread``: a decode worker that prefills locally (unified mode) computes its
     prompts on a thread of their own, concurrently with the decode steps, each thread on half of
     the worker's CPU threads, instead of as chunks inside the decode steps (None = automatic: on
-    where the worker has at least 2 threads; see decode_worker/engine.py).
+    where the worker has at least 2 threads; see decode_worker/engine.py; ``pdserve serve`` also
+    turns it on for CPU decode workers with conditional disaggregation, see
+    pdserve/commands/serve.py ``local_prefill_thread``).
     """
 
     max_num_batched_tokens: int = 2048

@@ -119,14 +119,19 @@ class ServePlan:
     router_flags: tuple[str, ...] = ()  # flags a joining `pdserve router` must repeat
 
 
-def local_prefill_thread(args: argparse.Namespace) -> bool | None:
+def local_prefill_thread(args: argparse.Namespace, device: str) -> bool | None:
     """``--local-prefill-thread`` when given; else automatic (None) where decode workers prefill
-    every prompt (unified mode, or disaggregated with no prefill workers), and off in
-    disaggregated mode, whose decode workers prefill only the few prompts of conditional
-    disaggregation and keep all their threads for decoding."""
+    every prompt (unified mode, or disaggregated with no prefill workers). In disaggregated mode
+    it is on for CPU decode workers with conditional disaggregation (``--max-local-prefill-length``
+    > 0), whose local prompts otherwise ride inside decode steps and stall every running
+    sequence for the whole prompt (SmolLM2 fp32, a 2-core Zen 1 EPYC, main workload: p99 ITL 2.2 s
+    inline against 0.38 s on the thread, same throughput; docs/benchmarks.md, session 27), and
+    off otherwise (decode workers keep all their threads for decoding)."""
     if args.local_prefill_thread is not None:
         return bool(args.local_prefill_thread)
-    return None if args.mode == "unified" or args.num_prefill_workers == 0 else False
+    if args.mode == "unified" or args.num_prefill_workers == 0:
+        return None
+    return device == "cpu" and args.max_local_prefill_length > 0
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -169,7 +174,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
-            local_prefill_thread=local_prefill_thread(args),
+            local_prefill_thread=local_prefill_thread(args, load.device),
         ),
         transfer=TransferConfig(timeout_s=args.kv_transfer_timeout),
         worker_host=args.worker_host,

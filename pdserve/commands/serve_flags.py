@@ -191,10 +191,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--local-prefill-thread",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a decode worker computes its local prompts (unified mode) on a thread of their own, "
-        "concurrently with the decode steps, each on half of the worker's threads, instead of as "
-        "chunks inside the decode steps (default: on in unified mode where a worker has 2 or "
-        "more threads)",
+        help="a decode worker computes its local prompts (unified mode, or conditional "
+        "disaggregation) on a thread of their own, concurrently with the decode steps, each on "
+        "half of the worker's threads, instead of as chunks inside the decode steps (default: on "
+        "in unified mode where a worker has 2 or more threads, and for CPU decode workers with "
+        "--max-local-prefill-length > 0 in disaggregated mode)",
     )
     g.add_argument(
         "--enable-prefix-caching",

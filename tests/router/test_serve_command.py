@@ -196,3 +196,23 @@ def test_router_hint_repeats_the_flags_a_router_must_match(
     assert routed.mode == "unified" and routed.tool_call_parser == "json"
     assert routed.api_key == "KEY" and routed.max_local_prefill_length == 300
     assert serve.build_plan(parse("serve", "--device", "cpu")).router_flags == ()
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ([], False),  # disaggregated: decode workers keep their threads for decoding
+        (["--max-local-prefill-length", "512"], True),  # conditional disaggregation on a CPU
+        (["--max-local-prefill-length", "512", "--no-local-prefill-thread"], False),
+        (["--local-prefill-thread"], True),
+        (["--mode", "unified"], None),  # automatic: decided by the worker's thread count
+        (["--num-prefill-workers", "0"], None),
+    ],
+)
+def test_local_prefill_thread_default(extra: list[str], expected: bool | None) -> None:
+    """Local prompts of conditional disaggregation run on a thread of their own on CPU, not as
+    chunks inside decode steps that stall every running sequence for a whole prompt."""
+    plan = serve.build_plan(parse("serve", "--device", "cpu", *extra))
+    assert plan.serve.engine.scheduler.local_prefill_thread is expected
+    args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "512")
+    assert serve.local_prefill_thread(args, "cuda") is False
