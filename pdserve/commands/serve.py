@@ -125,7 +125,7 @@ def local_prefill_thread(args: argparse.Namespace, device: str) -> bool | None:
     it is on for CPU decode workers with conditional disaggregation (``--max-local-prefill-length``
     > 0), whose local prompts otherwise ride inside decode steps and stall every running
     sequence for the whole prompt (SmolLM2 fp32, a 2-core Zen 1 EPYC, main workload: p99 ITL 2.2 s
-    inline against 0.38 s on the thread, same throughput; docs/benchmarks.md, session 27), and
+    inline against 0.38-0.47 s on the thread, throughput as high; docs/benchmarks.md, session 27), and
     off otherwise (decode workers keep all their threads for decoding)."""
     if args.local_prefill_thread is not None:
         return bool(args.local_prefill_thread)
