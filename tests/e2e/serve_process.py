@@ -19,6 +19,19 @@ SMALL = ["--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-model-len", "
 # Servers under test run the model eagerly: compiling it (pdserve serve's default on CPU) would
 # add up to minutes per server start; tests/engine/test_compile_smollm2.py covers that path.
 EAGER = ["--enforce-eager"]
+# Short completion prompts whose greedy continuations the e2e modules compare across servers.
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The chemical symbol for gold is",
+    "In 1969, the first person to walk on the moon was",
+    "A haiku about autumn:",
+]
 
 
 # Ports handed out in this process: the kernel may give a just-closed port again, so two servers

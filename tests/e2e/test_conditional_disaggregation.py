@@ -15,20 +15,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_process import ServeProcess
+from serve_process import PROMPTS, ServeProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The largest planet in the solar system is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "The chemical symbol for gold is",
-]
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +54,14 @@ def kv_paths(url: str) -> dict[str, float]:
 
 
 def test_local_and_remote_prefills_give_the_same_tokens(server: ServeProcess) -> None:
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        burst = list(pool.map(lambda p: complete(server.url, p), PROMPTS))
+    prompts = PROMPTS[:8]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        burst = list(pool.map(lambda p: complete(server.url, p), prompts))
     paths = kv_paths(server.url)
     assert paths.get("local", 0) >= 1, paths  # some prompts were prefilled on the decode worker
     assert sum(v for k, v in paths.items() if k != "local") >= 1, paths  # and some remotely
     # one at a time every prompt is local (no other local prefill in flight): same tokens
-    alone = [complete(server.url, p) for p in PROMPTS]
+    alone = [complete(server.url, p) for p in prompts]
     assert burst == alone
     assert all(text.strip() for text in alone)
     assert "Paris" in alone[0]

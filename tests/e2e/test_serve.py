@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serve_process import ServeProcess
+from serve_process import PROMPTS, ServeProcess
 
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from pdserve.v1 import common_pb2 as cpb
@@ -31,18 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 KEY = "e2e-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The largest planet in the solar system is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "The chemical symbol for gold is",
-    "In 1969, the first person to walk on the moon was",
-    "A haiku about autumn:",
-]
 
 
 @pytest.fixture(scope="module")
