@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,28 @@ class EngineConfig:
     enable_fault_injection: bool = False
 
 
+# The CPU default of --max-local-prefill-length: SmolLM2-135M fp32 on a 2-core Zen 1 EPYC, main
+# workload (256 in / 128 out, concurrency 16), disaggregated: 512 with min_prefill_queue_tokens
+# 512 gave 58-66 tok/s against 50-58 off (docs/benchmarks.md, sessions 27-28).
+CPU_MAX_LOCAL_PREFILL_LENGTH = 512
+
+
+def default_local_prefill_length(decode_devices: Iterable[str]) -> int:
+    """``--max-local-prefill-length`` when the flag is not given, for decode workers on
+    ``decode_devices`` ('cpu', 'cuda', 'cuda:1', ...): :data:`CPU_MAX_LOCAL_PREFILL_LENGTH`
+    tokens when every one is a CPU worker, else 0 (off).
+
+    On a CPU the prefill and decode workers are processes on the same few cores, and a decode
+    worker at a small batch streams all its weights for a few rows a step; while prompts queue on
+    the prefill worker it does more for the same time by prefilling short ones itself (on its
+    prefill thread, beside the decode loop). A GPU decode worker's headroom has not been measured
+    here, so it stays with NVIDIA Dynamo's default (conditional disaggregation opt-in)."""
+    devices = list(decode_devices)
+    if devices and all(d == "cpu" for d in devices):
+        return CPU_MAX_LOCAL_PREFILL_LENGTH
+    return 0
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """`pdserve serve`: the whole system on one machine (DESIGN §8)."""
@@ -420,9 +443,10 @@ class ServeConfig:
     tool_call_parser: str | None = None  # 'hermes' | 'json'; None = chosen from the template
     # Conditional disaggregation (router/policy.py prefill_locally): prompts up to this many
     # tokens are prefilled on their decode worker while every prefill worker has at least
-    # min_prefill_queue_tokens prompt tokens queued; 0 = always on a prefill worker.
+    # min_prefill_queue_tokens prompt tokens queued; 0 = always on a prefill worker. The flag's
+    # default is chosen by default_local_prefill_length (on for CPU decode workers).
     max_local_prefill_length: int = 0
-    min_prefill_queue_tokens: int = 1024
+    min_prefill_queue_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_local_prefill_length < 0:

@@ -13,6 +13,7 @@ class WorkerInfo:
     ``kv_endpoint``: 'host:port' of its KV receiver (decode) or '' (prefill).
     ``num_blocks``/``block_size``: its KV pool geometry (blocks, tokens per block).
     ``node_address``: the IP of the node it runs on (what both addresses advertise).
+    ``device``: where its model runs ('cpu', 'cuda', 'cuda:1', ...; '' when not reported).
     """
 
     worker_id: str
@@ -23,3 +24,4 @@ class WorkerInfo:
     block_size: int = 16
     pid: int = 0
     node_address: str = ""
+    device: str = ""

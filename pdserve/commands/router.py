@@ -17,7 +17,7 @@ from pdserve.commands.multinode_args import add_multinode_args, internal_token
 from pdserve.commands.progress import say
 from pdserve.commands.serve import resolve_max_model_len, setup_logging
 from pdserve.commands.serve_flags import HelpFormatter, add_frontend_args, add_model_args
-from pdserve.config import ConfigError, LoadConfig, ServeConfig
+from pdserve.config import ConfigError, LoadConfig, ServeConfig, default_local_prefill_length
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +76,11 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
             lifecycle=LifecycleConfig(
                 block_size=block_size,
                 unified=args.mode == "unified",
-                max_local_prefill_length=args.max_local_prefill_length,
+                max_local_prefill_length=(
+                    default_local_prefill_length(w.info.device for w in pool.workers("decode"))
+                    if args.max_local_prefill_length is None
+                    else args.max_local_prefill_length
+                ),
                 min_prefill_queue_tokens=args.min_prefill_queue_tokens,
             ),
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         ServeConfig(  # the flags this command shares with `pdserve serve`, checked the same way
-            max_local_prefill_length=args.max_local_prefill_length,
+            max_local_prefill_length=args.max_local_prefill_length or 0,
             min_prefill_queue_tokens=args.min_prefill_queue_tokens,
             max_concurrent_streams=args.max_concurrent_streams,
         )

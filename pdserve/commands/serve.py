@@ -44,6 +44,7 @@ from pdserve.config import (
     ServeConfig,
     TransferConfig,
     check_cpus_per_worker,
+    default_local_prefill_length,
 )
 
 log = logging.getLogger("pdserve.serve")
@@ -131,7 +132,15 @@ def local_prefill_thread(args: argparse.Namespace, device: str) -> bool | None:
         return bool(args.local_prefill_thread)
     if args.mode == "unified" or args.num_prefill_workers == 0:
         return None
-    return device == "cpu" and args.max_local_prefill_length > 0
+    return device == "cpu" and max_local_prefill_length(args, device) > 0
+
+
+def max_local_prefill_length(args: argparse.Namespace, device: str) -> int:
+    """``--max-local-prefill-length``, or its default for decode workers on ``device``
+    (:func:`pdserve.config.default_local_prefill_length`)."""
+    if args.max_local_prefill_length is not None:
+        return int(args.max_local_prefill_length)
+    return default_local_prefill_length([device])
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -208,7 +217,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         log_prompts=args.log_prompts,
         chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         tool_call_parser=args.tool_call_parser,
-        max_local_prefill_length=args.max_local_prefill_length,
+        max_local_prefill_length=max_local_prefill_length(args, load.device),
         min_prefill_queue_tokens=args.min_prefill_queue_tokens,
     )
     if args.cpus_per_worker is not None:
@@ -242,20 +251,10 @@ def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
             flags += [flag, shlex.quote(str(value))]
     if args.mode == "unified":
         flags += ["--mode", "unified"]
-    for flag, value, default in (
-        (
-            "--max-local-prefill-length",
-            args.max_local_prefill_length,
-            ServeConfig.max_local_prefill_length,
-        ),
-        (
-            "--min-prefill-queue-tokens",
-            args.min_prefill_queue_tokens,
-            ServeConfig.min_prefill_queue_tokens,
-        ),
-    ):
-        if value != default:
-            flags += [flag, str(value)]
+    if args.max_local_prefill_length is not None:  # else the router picks the same default
+        flags += ["--max-local-prefill-length", str(args.max_local_prefill_length)]
+    if args.min_prefill_queue_tokens != ServeConfig.min_prefill_queue_tokens:
+        flags += ["--min-prefill-queue-tokens", str(args.min_prefill_queue_tokens)]
     if args.api_key or env.api_key():
         flags += ["--api-key", "KEY"]  # a placeholder that fails closed if pasted as is
     if internal_token(args):

@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 
 from pdserve import env
-from pdserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServeConfig, TransferConfig
+from pdserve.config import (
+    CPU_MAX_LOCAL_PREFILL_LENGTH,
+    CacheConfig,
+    LoadConfig,
+    SchedulerConfig,
+    ServeConfig,
+    TransferConfig,
+)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -95,9 +102,10 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-local-prefill-length",
         type=int,
-        default=ServeConfig.max_local_prefill_length,
+        default=None,
         help="conditional disaggregation: prompts of at most this many tokens are prefilled on "
-        "their decode worker while every prefill worker is backlogged (0 = off)",
+        "their decode worker while every prefill worker is backlogged (0 = off; default: "
+        f"{CPU_MAX_LOCAL_PREFILL_LENGTH} when the decode workers run on CPUs, else 0)",
     )
     g.add_argument(
         "--min-prefill-queue-tokens",

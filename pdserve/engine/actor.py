@@ -156,6 +156,7 @@ class WorkerActor(ABC, Generic[E]):
             block_size=engine.kv.block_size,
             pid=os.getpid(),
             node_address=where.advertise,
+            device=config.load.device,
         )
         log.info(
             "%s worker %s serving on %s (KV endpoint %r, %d KV blocks, %d torch threads, "

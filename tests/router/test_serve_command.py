@@ -14,7 +14,7 @@ import pytest
 from pdserve import env
 from pdserve.commands import progress, serve
 from pdserve.commands import router as router_cmd
-from pdserve.config import ConfigError
+from pdserve.config import CPU_MAX_LOCAL_PREFILL_LENGTH, ConfigError, default_local_prefill_length
 from router.cluster.ray_join import join_hint
 from router.server import bind_socket
 
@@ -201,8 +201,9 @@ def test_router_hint_repeats_the_flags_a_router_must_match(
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ([], False),  # disaggregated: decode workers keep their threads for decoding
-        (["--max-local-prefill-length", "512"], True),  # conditional disaggregation on a CPU
+        ([], True),  # conditional disaggregation is on by default for CPU decode workers
+        (["--max-local-prefill-length", "0"], False),  # off: they keep their threads for decoding
+        (["--max-local-prefill-length", "512"], True),
         (["--max-local-prefill-length", "512", "--no-local-prefill-thread"], False),
         (["--local-prefill-thread"], True),
         (["--mode", "unified"], None),  # automatic: decided by the worker's thread count
@@ -216,3 +217,23 @@ def test_local_prefill_thread_default(extra: list[str], expected: bool | None) -
     assert plan.serve.engine.scheduler.local_prefill_thread is expected
     args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "512")
     assert serve.local_prefill_thread(args, "cuda") is False
+
+
+def test_conditional_disaggregation_default_follows_the_decode_device() -> None:
+    """``--max-local-prefill-length`` unset: on (512 tokens) for CPU decode workers, off for GPU
+    ones (and for a cluster that mixes them); a given value wins either way."""
+    assert default_local_prefill_length(["cpu"]) == CPU_MAX_LOCAL_PREFILL_LENGTH == 512
+    assert default_local_prefill_length(["cpu", "cpu"]) == 512
+    assert default_local_prefill_length(["cuda"]) == 0
+    assert default_local_prefill_length(["cpu", "cuda:1"]) == 0
+    assert default_local_prefill_length([]) == 0
+    assert default_local_prefill_length([""]) == 0  # a worker that did not report its device
+    plan = serve.build_plan(parse("serve", "--device", "cpu"))
+    assert plan.serve.max_local_prefill_length == 512
+    assert plan.serve.min_prefill_queue_tokens == 512
+    args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "0")
+    assert serve.build_plan(args).serve.max_local_prefill_length == 0
+    assert serve.max_local_prefill_length(parse("serve", "--device", "cpu"), "cuda") == 0
+    args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "64")
+    assert serve.max_local_prefill_length(args, "cuda") == 64
+    assert parse("router", "--ray-address", "127.0.0.1:1").max_local_prefill_length is None
