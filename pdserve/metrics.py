@@ -120,6 +120,8 @@ KV_TRANSFER_SECONDS = Histogram(
 KV_TRANSFERS = Counter(
     "pdserve_kv_transfers", "KV transfers by outcome and path.", ["outcome", "path"]
 )
+for _path in ("transferred", "local"):  # exported at 0 from the start, so rate() sees them
+    KV_TRANSFERS.labels(outcome="ok", path=_path)
 
 # -- per-worker load (polled GetStats) ------------------------------------------------------------
 _WORKER_LABELS = ["worker_id", "role"]

@@ -281,6 +281,13 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         f"  metrics     {urls['metrics']}   health {urls['health']}",
         "  Ctrl-C to stop",
     ]
+    if s.mode != "unified" and s.num_prefill_workers and s.max_local_prefill_length:
+        lines.insert(
+            1,
+            f"  conditional disaggregation: prompts of <= {s.max_local_prefill_length} tokens are "
+            f"prefilled on their decode worker while the prefill workers have >= "
+            f"{s.min_prefill_queue_tokens} tokens queued (--max-local-prefill-length 0: off)",
+        )
     for line in lines:
         say(line)
 

@@ -237,3 +237,27 @@ def test_conditional_disaggregation_default_follows_the_decode_device() -> None:
     args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "64")
     assert serve.max_local_prefill_length(args, "cuda") == 64
     assert parse("router", "--ray-address", "127.0.0.1:1").max_local_prefill_length is None
+
+
+def test_ready_lines_say_when_conditional_disaggregation_is_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """New-user report: the startup banner named neither the default nor how to turn it off."""
+    urls = {k: f"http://x/{k}" for k in ("openai", "grpc", "metrics", "health")}
+    serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu")), False)
+    out = capsys.readouterr().out
+    assert out.startswith("[pdserve] ready: model")
+    assert "prompts of <= 512 tokens" in out and ">= 512 tokens queued" in out
+    assert "--max-local-prefill-length 0: off" in out
+    for extra in (["--max-local-prefill-length", "0"], ["--mode", "unified"]):
+        serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu", *extra)), False)
+        assert "conditional disaggregation" not in capsys.readouterr().out
+
+
+def test_kv_transfer_series_exist_before_the_first_transfer() -> None:
+    """Both paths' ok series are exported at 0 from the start (rate() and alerts need them)."""
+    from pdserve import metrics
+
+    text = metrics.render().decode()
+    for path in ("transferred", "local"):
+        assert f'pdserve_kv_transfers_total{{outcome="ok",path="{path}"}}' in text
