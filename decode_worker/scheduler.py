@@ -61,6 +61,7 @@ from pdserve.engine.errors import (
     RESOURCE_EXHAUSTED,
     EngineError,
 )
+from pdserve.engine.long_prompts import default_long_threshold, long_chunk
 from pdserve.engine.sequence import EngineSeq
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
@@ -159,6 +160,11 @@ class DecodeScheduler:
         self.chunk_size = max(1, min(threshold, config.max_num_batched_tokens))
         self.prefill_thread = prefill_thread
         self.prefill_step_tokens = prefill_step_tokens or config.max_num_batched_tokens
+        # the prefill thread's long prompts: the prefill worker's share (pdserve/engine/long_prompts)
+        self.long_threshold = config.long_prefill_token_threshold or default_long_threshold(
+            config.max_num_batched_tokens
+        )
+        self._last_prefill_had_long = False
         self._prefilling: deque[DecodeSeq] = deque()  # local prompts of the prefill thread, FIFO
         self._in_prefill: set[str] = set()  # keys of sequences in the prefill step being computed
         self._deferred_prefill_free: list[str] = []
@@ -424,14 +430,35 @@ class DecodeScheduler:
             raise RuntimeError("schedule_prefill() called before update_prefill() of the last step")
         self.expire()
         out = DecodeOutput()
-        self._add_prompt_chunks(out, self.prefill_step_tokens, skip=self._in_step)
+        budget = self.prefill_step_tokens
+        share = min(self.long_threshold, budget)
+        if self.config.enable_chunked_prefill and self._last_prefill_had_long:
+            # a short-only step between long chunks while a short prompt can run
+            self._add_prompt_chunks(out, budget, skip=self._in_step, long_share=0)
+        if not out.seqs:
+            self._add_prompt_chunks(out, budget, skip=self._in_step, long_share=share)
+        self._last_prefill_had_long = any(self._is_long(s) for s in out.seqs)
         self._in_prefill = {s.key for s in out.seqs}
         return out
 
-    def _add_prompt_chunks(self, out: DecodeOutput, left: int, skip: set[str]) -> None:
+    def _is_long(self, seq: DecodeSeq) -> bool:
+        """A local prompt with more than ``long_threshold`` tokens to compute after its prefix-cache
+        hits (its class for its whole prefill, as on a prefill worker)."""
+        return (
+            self.config.enable_chunked_prefill
+            and seq.num_prompt_tokens - seq.num_cached > self.long_threshold
+        )
+
+    def _add_prompt_chunks(
+        self, out: DecodeOutput, left: int, skip: set[str], long_share: int | None = None
+    ) -> None:
         """Add chunks of queued local prompts (prefill thread) to ``out`` in arrival order, at
         most ``left`` tokens in all and ``max_num_seqs`` sequences in ``out``, passing over those
-        whose key is in ``skip`` (inside the other loop's step)."""
+        whose key is in ``skip`` (inside the other loop's step). Long prompts (:meth:`_is_long`)
+        share at most ``long_share`` of those tokens (:func:`long_chunk`; default the whole
+        ``left`` capped at ``long_threshold``) and a long prompt past its share is passed over, so
+        short prompts behind it still run: the prefill worker's policy (prefill_worker/scheduler.py)."""
+        long_left = min(self.long_threshold, left) if long_share is None else long_share
         for seq in self._prefilling:
             if left <= 0 or len(out.seqs) >= self.config.max_num_seqs:
                 break
@@ -441,6 +468,11 @@ class DecodeScheduler:
             n = min(remaining, left)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break  # first come, first served: it runs whole in a later step
+            if self._is_long(seq):
+                n = long_chunk(remaining, left, long_left)
+                long_left = max(0, long_left - n)
+                if n == 0:
+                    continue  # keeps its place; shorter prompts behind it may run
             out.add(seq, seq.schedule(n, self.kv.block_table(seq.key)))
             left -= n
 

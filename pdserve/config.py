@@ -324,7 +324,7 @@ class SchedulerConfig:
 CPU_PREFILL_STEP_TOKENS = 320
 """Default prefill step budget on a CPU (tokens): the default long-prompt share of a step (256 at
 the default ``max_num_batched_tokens``) and the quarter more a long prompt's final chunk may take
-(:func:`prefill_worker.scheduler.long_chunk`), so a prompt a little over 256 tokens runs in
+(:func:`pdserve.engine.long_prompts.long_chunk`), so a prompt a little over 256 tokens runs in
 one step instead of a full one and a small one that reads all the weights again (session 19: a
 280-token bf16 prompt as 256 + 24 tokens took 105-123 + 45-47 ms on one core, whole ~120 ms;
 served main workload, disaggregated bf16, 418.4 / 417.7 against 403.8-409.8 tok/s; session 19 of

@@ -446,7 +446,9 @@ def prefill_step(s: DecodeScheduler, token: int | None = None) -> DecodeOutput:
 
 
 def test_prefill_thread_keeps_local_prompts_out_of_decode_steps() -> None:
-    s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    s = make(  # chunk=32: no prompt here is long (the next test covers long ones)
+        num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16, chunk=32
+    )
     for i, rid in enumerate(("d", "e")):
         s.add_request(req(rid, 4, max_tokens=50), transfer_id=i + 1)
         s.kv_arrived(rid, i + 1, SampledToken(3))
@@ -483,8 +485,44 @@ def test_prefill_thread_keeps_local_prompts_out_of_decode_steps() -> None:
     s.check_integrity()
 
 
-def test_decode_steps_take_prompt_chunks_while_fewer_sequences_decode() -> None:
+def test_prefill_thread_short_prompts_do_not_wait_for_a_whole_long_one() -> None:
+    """The prefill thread shares its steps as a prefill worker does: long prompts (over T = 64 //
+    8 = 8 tokens to compute) take at most 8 tokens a step, a short prompt that arrives meanwhile
+    runs in the next step, alone, and the long prompt still progresses every other step."""
     s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    assert s.long_threshold == 8
+    s.add_request(req("long", 40, local=True, max_tokens=2))
+    plan = prefill_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in plan.scheduled] == [("long", 8)]
+    s.add_request(req("short", 6, local=True, max_tokens=2))
+    plan = prefill_step(s)  # a short-only step after a long chunk
+    assert [(x.request_id, len(x.token_ids), x.sample) for x in plan.scheduled] == [
+        ("short", 6, True)
+    ]
+    assert s.state("short") is SeqState.WAITING  # token 1 sampled, 32 tokens of "long" left
+    sizes = []
+    while s.has_prefill_work():
+        plan = prefill_step(s)
+        sizes += [len(x.token_ids) for x in plan.scheduled]
+    assert sizes == [8, 8, 8, 8]  # 32 left: 8 a step; the last 8 fits the share whole
+    s.check_integrity()
+
+
+def test_prefill_thread_passes_over_a_long_prompt_past_its_share() -> None:
+    """Two long prompts share one share (8 tokens): the second is passed over, keeping its place,
+    and a short prompt behind both still runs in the same step."""
+    s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    for rid, n in (("a", 30), ("b", 30), ("c", 5)):
+        s.add_request(req(rid, n, local=True, max_tokens=2))
+    plan = prefill_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in plan.scheduled] == [("a", 8), ("c", 5)]
+    s.check_integrity()
+
+
+def test_decode_steps_take_prompt_chunks_while_fewer_sequences_decode() -> None:
+    s = make(  # chunk=32: no prompt here is long
+        num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16, chunk=32
+    )
     for rid, n in (("p", 20), ("q", 6), ("r", 6)):
         s.add_request(req(rid, n, local=True, max_tokens=3))
     pplan = s.schedule_prefill()

@@ -13,16 +13,12 @@ from pdserve.config import (
     SchedulerConfig,
     prefill_step_budget,
 )
+from pdserve.engine.long_prompts import default_long_threshold
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
-from prefill_worker.scheduler import (
-    PrefillOutput,
-    PrefillScheduler,
-    PrefillSeq,
-    default_long_threshold,
-)
+from prefill_worker.scheduler import PrefillOutput, PrefillScheduler, PrefillSeq
 
 BS = 16
 
