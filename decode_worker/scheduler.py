@@ -421,7 +421,10 @@ class DecodeScheduler:
     def schedule_prefill(self) -> DecodeOutput:
         """Plan the prefill thread's next step: chunks of the queued local prompts in arrival
         order, at most ``prefill_step_tokens`` tokens and ``max_num_seqs`` prompts in all (with
-        chunked prefill off, whole prompts only). Expires deadlines first; events go to the outbox.
+        chunked prefill off, whole prompts only), long prompts sharing at most ``long_threshold``
+        of them, and none after a step that carried long tokens while a short prompt can run (the
+        prefill worker's policy, prefill_worker/scheduler.py). Expires deadlines first; events go
+        to the outbox.
 
         Raises RuntimeError if the previous prefill step was not passed to :meth:`update_prefill`
         (or :meth:`fail_prefill_step`).

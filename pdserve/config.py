@@ -267,10 +267,11 @@ class SchedulerConfig:
     ``max_num_batched_tokens``: tokens computed in one forward (prefill chunks + decodes).
     ``max_num_seqs``: sequences in one step. ``max_model_len``: prompt + output tokens per request.
     ``long_prefill_token_threshold``: prompts with more tokens than this to compute are *long*; on
-    a prefill worker long prompts share at most this many tokens of any step, so shorter prompts
-    never wait for a whole long one (0 = ``max_num_batched_tokens // 8``; the share is capped at
-    the prefill step budget; see prefill_worker/scheduler.py); for a decode worker's local (unified-mode)
-    prefills it caps the prompt tokens of a step that also decodes (0 =
+    a prefill worker and on a decode worker's prefill thread long prompts share at most this many
+    tokens of any step, so shorter prompts never wait for a whole long one (0 =
+    ``max_num_batched_tokens // 8``; the share is capped at the prefill step budget; see
+    prefill_worker/scheduler.py); for a decode worker's local (unified-mode) prefills inside its
+    decode steps (no prefill thread) it caps the prompt tokens of a step that also decodes (0 =
     ``max_num_batched_tokens // 2``).
     ``prefill_max_num_batched_tokens``: a prefill worker's tokens per step (0 = automatic: on a
     CPU ``min(max_num_batched_tokens, CPU_PREFILL_STEP_TOKENS)``, i.e. 320, elsewhere
