@@ -434,12 +434,11 @@ class DecodeScheduler:
         self.expire()
         out = DecodeOutput()
         budget = self.prefill_step_tokens
-        share = min(self.long_threshold, budget)
         if self.config.enable_chunked_prefill and self._last_prefill_had_long:
             # a short-only step between long chunks while a short prompt can run
             self._add_prompt_chunks(out, budget, skip=self._in_step, long_share=0)
         if not out.seqs:
-            self._add_prompt_chunks(out, budget, skip=self._in_step, long_share=share)
+            self._add_prompt_chunks(out, budget, skip=self._in_step)
         self._last_prefill_had_long = any(self._is_long(s) for s in out.seqs)
         self._in_prefill = {s.key for s in out.seqs}
         return out

@@ -19,8 +19,8 @@ so a short prompt waits about a second for a step of long-prompt work; larger ch
 def default_long_threshold(max_num_batched_tokens: int) -> int:
     """T when ``long_prefill_token_threshold`` is 0: ``max_num_batched_tokens //
     LONG_SHARE_DIVISOR``, at least 1. The long prompts' share of a step is T capped at the step
-    (prefill_worker/scheduler.py `PrefillScheduler.long_share`); the class threshold itself is not capped, so a small
-    step budget does not turn every prompt into a long one."""
+    (``PrefillScheduler.long_share`` in prefill_worker/scheduler.py); the class threshold itself
+    is not capped, so a small step budget does not turn every prompt into a long one."""
     return max(1, max_num_batched_tokens // LONG_SHARE_DIVISOR)
 
 
