@@ -303,7 +303,8 @@ class KVSender(ABC):
         ``ok`` (scattered into the reserved blocks) or ``dropped`` (no reservation for the id).
         It fails with :class:`KVTransferError` (``.record`` set; :class:`TransferTimeoutError`,
         :class:`ChannelClosedError`, :class:`LayoutMismatchError` for the specific causes).
-        ``kv`` must not be modified until the future is done. Raises ValueError at once on a
+        ``kv`` must not be modified until the future is done. Cancelling the future before the
+        transfer started skips it (nothing reaches the peer). Raises ValueError at once on a
         bad argument (shape, dtype, device, id range), naming it.
         """
 

@@ -85,6 +85,7 @@ class _Pending:
     sampled_at: float = 0.0  # time.monotonic() seconds
     prompt_logprobs: list[SampledToken] = field(default_factory=list)
     send_started: float = 0.0
+    transfer: Future[TransferRecord] | None = None  # the KV send, once handed to the sender
 
 
 class PrefillEngine(WorkerEngine):
@@ -217,11 +218,17 @@ class PrefillEngine(WorkerEngine):
         return self._fail(request_id, EngineError(CANCELLED, f"request {request_id!r} aborted"))
 
     def _fail(self, request_id: str, error: EngineError) -> bool:
+        """Drop a live request with ``error``. A KV send still queued behind another on its
+        peer's channel is cancelled (never started): when a decode worker dies, the router
+        aborts the prompts bound for it, and none of them then waits out a connect timeout
+        against the dead endpoint. A send already on the wire runs to its end."""
         with self._lock:
             p = self._pending.pop(request_id, None)
             if p is None:
                 return False
             self.scheduler.remove(request_id)
+        if p.transfer is not None:
+            p.transfer.cancel()
         if not p.future.done():
             p.future.set_exception(error)
         return True
@@ -298,6 +305,7 @@ class PrefillEngine(WorkerEngine):
             self._fail(seq.request_id, EngineError(UNAVAILABLE, f"KV send failed: {e}"))
             return
 
+        p.transfer = fut
         fut.add_done_callback(functools.partial(self._transfer_done, p))
 
     def _transfer_done(self, p: _Pending, f: Future[TransferRecord]) -> None:
@@ -305,7 +313,7 @@ class PrefillEngine(WorkerEngine):
         now (see the module docstring) and wake the loop, whose freed blocks may admit more."""
         with self._lock:
             rid = p.seq.request_id
-            if self._pending.get(rid) is not p:
+            if self._pending.get(rid) is not p or f.cancelled():
                 return  # aborted while sending; its blocks are already free
             exc = f.exception()
             if exc is not None:

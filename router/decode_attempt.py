@@ -35,6 +35,10 @@ class DecodeAttempt:
     ``blocks``: KV blocks the prompt needs there; ``accepted`` is set by the first event.
     ``local``: the decode worker prefills the prompt itself; the pool counts it as a local
     prefill on that worker until :meth:`prefilled` (or :meth:`close`).
+
+    While a prefill worker computes the prompt the router also watches this stream
+    (:meth:`read_ahead`), so a decode worker lost in that time is noticed at once and the
+    prefill aborted, instead of the prefill worker finding out by a KV send that times out.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class DecodeAttempt:
         self.accepted: pb.Accepted | None = None
         self.open = True
         self.local_prefill = local  # still prefilling on the decode worker
+        self._ahead: asyncio.Task[Any] | None = None  # the next event, read in the background
         pool.reserve(worker, blocks=blocks, local_prefill=local)
 
     def prefilled(self) -> None:
@@ -70,13 +75,39 @@ class DecodeAttempt:
         self.open = False
         self.prefilled()
         self.pool.release(self.worker)
+        if self._ahead is not None:
+            self._ahead.cancel()
+            self._ahead = None
         if abort:
             self.call.cancel()
             spawn(self.worker.client.abort(self.attempt_id, timeout_s))
 
+    def read_ahead(self) -> asyncio.Task[Any]:
+        """Start reading the stream's next event in the background (at most one read at a time:
+        a second call returns the same task); the next :meth:`read` returns its event. The task
+        ends with the event, ``grpc.aio.EOF`` or the stream's ``grpc.aio.AioRpcError``."""
+        if self._ahead is None:
+            self._ahead = asyncio.ensure_future(
+                unless_closed(self.call.read(), self.worker.worker_id)
+            )
+            self._ahead.add_done_callback(_retrieve)
+        return self._ahead
+
     async def read(self, timeout_s: float) -> Any:
-        """The stream's next event (``grpc.aio.EOF`` at the end): :func:`read_event`."""
-        return await read_event(self.call, timeout_s, self.worker.worker_id)
+        """The stream's next event (``grpc.aio.EOF`` at the end): :func:`read_event`, or the one
+        :meth:`read_ahead` is reading."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return await read_event(self.call, timeout_s, self.worker.worker_id)
+        async with asyncio.timeout(timeout_s):  # cancelling this await cancels the read too
+            return await ahead
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a background read's outcome as seen: a read cancelled with its attempt, or whose
+    stream broke after the attempt was closed, is nobody's error."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def read_event(call: grpc.aio.UnaryStreamCall, timeout_s: float, worker_id: str) -> Any:

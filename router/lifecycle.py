@@ -456,13 +456,25 @@ class RequestLifecycle:
         self.pool.reserve(worker, tokens=len(tokens))
         self._prefill_holder = (worker, attempt.attempt_id)
         self.trace.prefill_started(worker.worker_id, attempt.attempt_id, len(tokens))
+        timeout = min(self._remaining(), self.config.prefill_timeout_s)
+        call = asyncio.ensure_future(worker.client.prefill(req, timeout))
         try:
-            timeout = min(self._remaining(), self.config.prefill_timeout_s)
-            resp = await worker.client.prefill(req, timeout)
+            lost = await self._decode_lost_first(call, attempt)
+            if lost is not None:  # D is gone: its KV has nowhere to go, stop computing it
+                self._prefill_holder = None
+                spawn(worker.client.abort(attempt.attempt_id, self.config.abort_timeout_s))
+                self.trace.prefill_failed(
+                    worker.worker_id, "CANCELLED", "the decode worker was lost"
+                )
+                self._lost(attempt, lost[0], lost[1])
+                return None, False
+            resp = call.result()
         except grpc.aio.AioRpcError as e:
             self._prefill_failed(worker, attempt, e.code(), e.details() or "")
             return None, False
         finally:
+            if not call.done():
+                call.cancel()  # the request ended, or D was lost: the prefill worker aborts it
             self.pool.release(worker, tokens=len(tokens))
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
@@ -478,6 +490,30 @@ class RequestLifecycle:
                 attempt.attempt_id, resp.transfer.outcome, resp.transfer.error or "no cause given",
             )  # fmt: skip
         return rpc.token_from_proto(resp.token), kv_sent
+
+    @staticmethod
+    async def _decode_lost_first(
+        call: asyncio.Future[pb.PrefillResponse], attempt: DecodeAttempt
+    ) -> tuple[str, grpc.StatusCode] | None:
+        """Wait for the Prefill ``call`` while watching D's stream. Returns None once the call
+        is done (D's next event, if one came, stays for :meth:`_follow`), or (why, code) when
+        D's stream broke or ended first: the decode worker is gone (or the router dropped it).
+
+        Any event D sends meanwhile leaves the call to finish: tokens are normal (D got the KV
+        and decoded on before the prefill worker's answer reached the router), and an error
+        event (say a KV payload that failed its checksum) fails the transfer, which the call's
+        own answer reports.
+        """
+        watch = attempt.read_ahead()
+        await asyncio.wait((call, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not call.done() and not watch.cancelled():
+            err = watch.exception()
+            if isinstance(err, grpc.aio.AioRpcError):
+                return f"stream broke during prefill: {err.code().name} {err.details()}", err.code()
+            if err is None and watch.result() is grpc.aio.EOF:
+                return "stream ended during prefill", grpc.StatusCode.UNAVAILABLE
+        await asyncio.wait((call,))
+        return None
 
     def _prefill_failed(
         self, worker: WorkerState, attempt: DecodeAttempt, code: grpc.StatusCode, details: str

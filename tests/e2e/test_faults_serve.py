@@ -5,7 +5,12 @@ One disaggregated server (1 prefill + 2 decode workers, float32) serves the modu
   while a chat request would be refused (503 + Retry-After until then);
 * a decode worker killed (SIGKILL, by pid) mid-stream: the greedy 64-token stream continues on
   the other decode worker, token for token equal to the fault-free run, and the metrics count one
-  migration.
+  migration;
+* a decode worker killed while long prompts bound for it wait on the prefill worker: the router
+  sees the broken Decode streams at once, aborts those prefills and re-places them on the other
+  decode worker, so no KV transfer is sent to the dead one (before, each such prompt waited out
+  the 30 s transfer timeout and then failed its Prefill call), and every answer equals the
+  fault-free one.
 """
 
 from __future__ import annotations
@@ -133,3 +138,77 @@ def test_decode_worker_killed_mid_stream_float32_identical(
     ).json()
     assert usage["usage"]["completion_tokens"] == LONG
     assert usage["choices"][0]["message"]["content"] == "".join(reference)  # the survivor serves
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _long_prompt(i: int) -> str:
+    """About 900 tokens (over --max-local-prefill-length's default: it goes to the prefill
+    worker), different per ``i`` from the first token on (no shared prefix cache)."""
+    return f"Request {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(680))
+
+
+def _completion(i: int) -> dict:
+    return {"model": "smollm2", "prompt": _long_prompt(i), "max_tokens": 4, "temperature": 0}
+
+
+def _decode_stats(address: str) -> wpb.DecodeStats:
+    async def call() -> wpb.DecodeStats:
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await wpb_grpc.DecodeServiceStub(ch).GetStats(wpb.StatsRequest(), timeout=10)
+
+    return asyncio.run(call())
+
+
+def test_decode_worker_killed_while_its_prompts_queue_on_the_prefill_worker(
+    startup: tuple[ServeProcess, list[tuple[int, int, int]]],
+) -> None:
+    srv, _ = startup
+    end = time.monotonic() + 300  # the worker killed above is restarted by Ray
+    while len(_decode_workers(srv.url)) < 2:
+        assert time.monotonic() < end, "the killed decode worker was not restarted"
+        time.sleep(1)
+    decode = _decode_workers(srv.url)
+    n = 4
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+            calls = [
+                asyncio.ensure_future(
+                    http.post(
+                        "/v1/completions",
+                        json=_completion(i),
+                        headers={"x-request-id": f"queued-{i}"},
+                    )
+                )
+                for i in range(n)
+            ]
+            victim: dict = {}
+            while not victim:  # a decode worker holding reservations whose KV is not there yet
+                await asyncio.sleep(0.2)
+                for w in decode:
+                    stats = await asyncio.to_thread(_decode_stats, w["grpc_address"])
+                    if stats.num_waiting_for_kv:
+                        victim = w
+                        break
+            os.kill(victim["pid"], signal.SIGKILL)
+            return list(await asyncio.gather(*calls))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * n, [r.text for r in responses]
+    causes = []
+    for i in range(n):
+        rec = httpx.get(f"{srv.url}/v1/requests/queued-{i}", timeout=30).json()
+        for seq in rec["sequences"]:
+            assert all(t["outcome"] == "ok" for t in seq["transfers"]), seq["transfers"]
+            causes += [r["cause"] for r in seq["replacements"]]
+            # only the router's own aborts: no Prefill call failed (a KV send to the dead worker
+            # would fail it, after the prompt waited out the transfer timeout)
+            failed = [e for e in seq["timeline"] if e["event"] == "prefill_failed"]
+            assert all(e["cause"] == "the decode worker was lost" for e in failed), failed
+    assert causes and all("during prefill" in c for c in causes), causes
+    with httpx.Client(base_url=srv.url, timeout=600) as http:  # fault-free (prefix-cached) runs
+        for i, r in enumerate(responses):
+            again = http.post("/v1/completions", json=_completion(i)).json()
+            assert again["choices"][0]["text"] == r.json()["choices"][0]["text"]

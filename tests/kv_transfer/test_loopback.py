@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +56,29 @@ def test_one_peer_transfers_complete_in_send_order(pair: Pair) -> None:
         futs.append(f)
     assert all(f.result(timeout=10).outcome is TransferOutcome.OK for f in futs)
     assert done == list(range(40))
+
+
+def test_a_cancelled_queued_send_is_skipped(pair: Pair) -> None:
+    rx, tx, _ = pair
+    hold = threading.Event()
+    for tid in (1, 2, 3):
+        rx.expect(tid, [tid], deadline_in(10))
+    connect = tx._connect
+
+    def slow_connect(peer: str) -> Any:  # holds the peer's thread inside the first transfer
+        assert hold.wait(10)
+        return connect(peer)
+
+    tx._connect = slow_connect  # type: ignore[method-assign]
+    first = tx.send(rx.endpoint, 1, random_kv(tx.layout, 16, seed=1), 0)
+    queued = tx.send(rx.endpoint, 2, random_kv(tx.layout, 16, seed=2), 0)  # behind the first
+    assert queued.cancel()
+    hold.set()
+    last = tx.send(rx.endpoint, 3, random_kv(tx.layout, 16, seed=3), 0)
+    assert first.result(timeout=5).outcome is TransferOutcome.OK
+    assert last.result(timeout=5).outcome is TransferOutcome.OK
+    assert queued.cancelled()
+    assert tx.stats().transfers_ok == 2 and rx.stats().transfers_ok == 2  # 2 never left
 
 
 def test_send_rejects_bad_arguments_naming_them(pair: Pair) -> None:

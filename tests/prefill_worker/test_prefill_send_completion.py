@@ -44,6 +44,11 @@ class HeldSender(KVSender):
             self.arrived.notify_all()
         return fut
 
+    def start(self, transfer_id: int) -> None:
+        """The transport's thread takes the transfer off its queue (it can no longer be
+        cancelled)."""
+        assert self.sent[transfer_id].set_running_or_notify_cancel()
+
     def ack(self, transfer_id: int, outcome: TransferOutcome = TransferOutcome.OK) -> None:
         """Settle a transfer as its transport's thread would: the receiver acked it."""
         self.sent[transfer_id].set_result(TransferRecord(transfer_id, 1, 1.0, outcome))
@@ -133,12 +138,31 @@ def test_abort_while_sending_frees_blocks_and_ignores_the_late_ack(
     f = eng.add_request(_req("s", 4, seed=4))
     eng.step()  # computes, samples, starts the send
     assert eng.request_state("s") is PrefillState.SENDING
+    sender.start(4)  # on the wire
     assert eng.abort("s")
     eng.check_integrity()
     assert getattr(f.exception(0), "code", None) == CANCELLED
+    assert not sender.sent[4].cancelled()  # a send on the wire runs to its end
     sender.ack(4)  # the late ack of an aborted request changes nothing
     eng.check_integrity()
     assert eng.stats().num_prefills == 0 and not eng.has_work()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_abort_cancels_a_send_still_queued(
+    engine: tuple[PrefillEngine, HeldSender],
+) -> None:
+    # a decode worker died: its channel stalls on one transfer, the next waits in the queue;
+    # the router aborts the waiting one, which must never be sent to the dead peer
+    eng, sender = engine
+    f = eng.add_request(_req("q", 7, seed=7))
+    eng.step()
+    assert eng.request_state("q") is PrefillState.SENDING
+    assert eng.abort("q")
+    assert sender.sent[7].cancelled()
+    assert getattr(f.exception(0), "code", None) == CANCELLED
+    eng.check_integrity()
+    assert eng.stats().transfer_failures == 0 and not eng.has_work()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 

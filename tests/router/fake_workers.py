@@ -230,6 +230,8 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
     """PrefillService: samples token 1 with :func:`next_token` and hands it to the target.
 
     ``fail_budget``: the next N Prefill calls fail with ``fail_code``. ``delay_s``: compute time.
+    ``stall_budget``: the next N Prefill calls never finish (until the caller cancels them).
+    ``reply_delay_s``: time between delivering the KV and answering the call.
     ``transfer_outcome``: what the transfer record says (a non-"ok" value delivers nothing).
     """
 
@@ -239,10 +241,13 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
     fail_budget: int = 0
     fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     delay_s: float = 0.001
+    stall_budget: int = 0
+    reply_delay_s: float = 0.0
     transfer_outcome: str = "ok"
     requests: list[pb.PrefillRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
+    cancelled: list[str] = field(default_factory=list)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         self.requests.append(request)
@@ -251,12 +256,17 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
             await context.abort(self.fail_code, "injected prefill failure")
         self.running.add(request.request_id)
         try:
+            if self.stall_budget > 0:
+                self.stall_budget -= 1
+                await asyncio.Event().wait()
             await asyncio.sleep(self.delay_s)
             prompt = list(request.prompt_token_ids)
             tok = next_token(prompt, request.num_output_tokens, self.script)
             ok = self.transfer_outcome == "ok"
             if ok:
                 ok = self.hub.deliver(request.target.kv_endpoint, request.target.transfer_id, tok)
+            if self.reply_delay_s:
+                await asyncio.sleep(self.reply_delay_s)
             first = pb.TokenLogprob(token_id=tok, logprob=-0.25)
             if request.sampling.top_logprobs:
                 first.top_token_ids.extend([tok, tok + 1])
@@ -273,6 +283,9 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
                     path="transferred",
                 ),
             )
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
         finally:
             self.running.discard(request.request_id)
 

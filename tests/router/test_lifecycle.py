@@ -125,6 +125,39 @@ async def test_killed_decode_worker_migrates_and_is_marked_unhealthy() -> None:
         await c.close()
 
 
+async def test_decode_worker_lost_during_prefill_aborts_the_prefill_and_re_places() -> None:
+    # the first Prefill never ends on its own: only the router noticing D's death ends it
+    c = await start_fake_cluster(prefills=[{"stall_budget": 1}], decodes=[{}, {}])
+    try:
+        lc = make(c, max_tokens=6)
+        task = asyncio.ensure_future(collect(lc))
+        await wait_until(lambda: bool(c.prefills[0].running))
+        (victim,) = [d for d in c.decodes if d.held]
+        await c.kill(victim.worker_id)
+        assert await asyncio.wait_for(task, 10) == expected(PROMPT, 6)
+        assert lc.num_migrations == 1 and lc.num_prefill_failures == 0
+        assert c.prefills[0].cancelled == ["req-1"]  # the stalled call was cancelled
+        assert [r.request_id for r in c.prefills[0].requests] == ["req-1", "req-1~1"]
+        (survivor,) = [d for d in c.decodes if d is not victim]
+        assert [r.request_id for r in survivor.requests] == ["req-1~1"]
+        await drain_background()
+        assert "req-1" in c.prefills[0].aborted
+        await wait_until(lambda: not c.prefills[0].running and not survivor.held)
+    finally:
+        await c.close()
+
+
+async def test_decode_tokens_before_the_prefill_answer_are_kept_in_order() -> None:
+    # the prefill worker answers 0.3 s after D got the KV: D streams tokens 2.. meanwhile
+    c = await start_fake_cluster(prefills=[{"reply_delay_s": 0.3}], decodes=[{"step_s": 0.01}])
+    try:
+        lc = make(c, max_tokens=8)
+        assert await collect(lc) == expected(PROMPT, 8)
+        assert lc.num_migrations == 0 and lc.state is RequestState.FINISHED
+    finally:
+        await c.close()
+
+
 async def test_failed_prefill_is_retried_and_releases_the_reservation() -> None:
     c = await start_fake_cluster(prefills=[{"fail_budget": 1}, {}])
     try:
