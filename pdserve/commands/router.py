@@ -134,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
             max_concurrent_streams=args.max_concurrent_streams,
         )
         return asyncio.run(route_async(args, address))
-    except (ConfigError, RuntimeError, ValueError) as e:
+    except (ConfigError, ValueError) as e:  # a bad flag: exit 2, as `pdserve serve` (argparse)
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the cluster, a port, ...
         print(f"pdserve router: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -348,6 +348,7 @@ async def serve_async(
             prefill_resources=plan.prefill_resources,
             decode_resources=plan.decode_resources,
             router_flags=plan.router_flags,
+            router_ports=None if 0 in (s.port, s.grpc_port) else (s.port, s.grpc_port),
         ),
         pool,
         ray_address=s.ray_address,

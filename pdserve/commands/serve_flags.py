@@ -46,7 +46,7 @@ def add_fault_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
-    """Gateways, auth and admission flags."""
+    """Gateways, auth and admission flags, and the router's placement flags."""
     g = p.add_argument_group("gateways")
     g.add_argument("--host", default=ServeConfig.host, help="address both gateways listen on")
     g.add_argument("--port", type=int, default=ServeConfig.port, help="HTTP (OpenAI API) port")
@@ -100,6 +100,13 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         "uses <tool_call>, else json)",
     )
     g.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help=f"log level (default: ${env.LOG_LEVEL} or info)",
+    )
+    g = p.add_argument_group("placement (router)")
+    g.add_argument(
         "--max-local-prefill-length",
         type=int,
         default=None,
@@ -114,12 +121,6 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         default=ServeConfig.min_prefill_queue_tokens,
         help="the backlog (prompt tokens queued on every prefill worker) at which "
         "--max-local-prefill-length applies",
-    )
-    g.add_argument(
-        "--log-level",
-        default=None,
-        choices=["debug", "info", "warning", "error"],
-        help=f"log level (default: ${env.LOG_LEVEL} or info)",
     )
 
 

@@ -66,6 +66,7 @@ class ClusterSpec:
     drain_s: float = 5.0
     drain_timeout_s: float = 120.0
     router_flags: tuple[str, ...] = ()  # what a joining router must repeat (join_hint)
+    router_ports: tuple[int, int] | None = None  # this server's (HTTP, gRPC) ports (join_hint)
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
 
@@ -207,7 +208,12 @@ class RayCluster:
             where = "joined" if self.ray_address else f"local, {self._ray_cpus} CPUs"
             self._progress(f"Ray {where} at {self.gcs_address} in {time.monotonic() - t0:.1f} s")
             self._progress(
-                join_hint(self.gcs_address, self.spec.engine.load.model, self.spec.router_flags)
+                join_hint(
+                    self.gcs_address,
+                    self.spec.engine.load.model,
+                    self.spec.router_flags,
+                    self.spec.router_ports,
+                )
             )
         self._gpus = gpus_per_worker(self.spec)
 

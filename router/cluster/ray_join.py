@@ -100,18 +100,29 @@ def join(address: str, namespace: str, **init_kwargs: Any) -> None:
         ) from None
 
 
-def join_hint(address: str, model: str | None = None, flags: Sequence[str] = ()) -> str:
+def join_hint(
+    address: str,
+    model: str | None = None,
+    flags: Sequence[str] = (),
+    ports: tuple[int, int] | None = None,
+) -> str:
     """How to join this cluster from another process, as one line for the startup banner.
 
     ``model``: the ``--model`` the workers serve; the joining router needs the same one for its
     tokenizer and model name (its default is the bundled model). ``flags``: further arguments
-    the joining router must repeat (already shell-quoted).
+    the joining router must repeat (already shell-quoted). ``ports``: this server's (HTTP, gRPC)
+    ports, which a router started on the same machine must not reuse.
     """
     line = f"more routers: pdserve router --ray-address {address}"
     if model is not None and model != "smollm2":
         line += f" --model {shlex.quote(model)}"
     if flags:
         line += " " + " ".join(flags)
+    if ports is not None:
+        line += (
+            f"   (on this machine also give it a --port and --grpc-port other than this server's "
+            f"{ports[0]} and {ports[1]})"
+        )
     if env.ray_auth_mode() == "token":
         line += (
             f"   (Ray token auth is on: from another machine also set {env.RAY_AUTH_MODE}=token "

@@ -85,6 +85,12 @@ def test_join_hint(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "RAY_AUTH_TOKEN" in join_hint("1.2.3.4:6379")
 
 
+def test_join_hint_names_the_ports_a_router_on_this_machine_must_avoid(clean_env: Path) -> None:
+    line = join_hint("1.2.3.4:6379", ports=(8000, 50051))
+    assert line.startswith("more routers: pdserve router --ray-address 1.2.3.4:6379   (")
+    assert "--port and --grpc-port other than this server's 8000 and 50051" in line
+
+
 def test_join_hint_names_the_model(clean_env: Path) -> None:
     """The printed router line carries --model when the workers serve another model."""
     assert join_hint("1.2.3.4:6379", "smollm2").endswith("--ray-address 1.2.3.4:6379")

@@ -101,7 +101,7 @@ def test_router_command_needs_a_ray_address(
     assert router_cmd.run(parse("router")) == 2
     assert "--ray-address" in capsys.readouterr().err
     bad = parse("router", "--ray-address", "127.0.0.1:1", "--max-local-prefill-length", "-3")
-    assert router_cmd.run(bad) == 1  # checked before joining the cluster
+    assert router_cmd.run(bad) == 2  # a bad flag, as serve: checked before joining the cluster
     assert "--max-local-prefill-length must be >= 0" in capsys.readouterr().err
 
 
