@@ -33,8 +33,9 @@ class DecodeAttempt:
     """An open Decode stream on one worker (one placement attempt) and its reservation.
 
     ``blocks``: KV blocks the prompt needs there; ``accepted`` is set by the first event.
-    ``local``: the decode worker prefills the prompt itself; the pool counts it as a local
-    prefill on that worker until :meth:`prefilled` (or :meth:`close`).
+    ``local_tokens``: prompt tokens the decode worker prefills itself (0 = none: the KV comes
+    from a prefill worker); the pool counts them on that worker until :meth:`prefilled` (or
+    :meth:`close`).
 
     While a prefill worker computes the prompt the router also watches this stream
     (:meth:`read_ahead`), so a decode worker lost in that time is noticed at once and the
@@ -48,7 +49,7 @@ class DecodeAttempt:
         call: grpc.aio.UnaryStreamCall,
         attempt_id: str,
         blocks: int,
-        local: bool = False,
+        local_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.worker = worker
@@ -57,15 +58,15 @@ class DecodeAttempt:
         self.blocks = blocks
         self.accepted: pb.Accepted | None = None
         self.open = True
-        self.local_prefill = local  # still prefilling on the decode worker
+        self.local_tokens = local_tokens  # still prefilling them on the decode worker
         self._ahead: asyncio.Task[Any] | None = None  # the next event, read in the background
-        pool.reserve(worker, blocks=blocks, local_prefill=local)
+        pool.reserve(worker, blocks=blocks, local_prefill_tokens=local_tokens)
 
     def prefilled(self) -> None:
         """A local prefill produced its first token: the worker no longer counts it. Idempotent."""
-        if self.local_prefill:
-            self.local_prefill = False
-            self.pool.prefilled_locally(self.worker)
+        if self.local_tokens:
+            self.pool.prefilled_locally(self.worker, self.local_tokens)
+            self.local_tokens = 0
 
     def close(self, abort: bool, timeout_s: float) -> None:
         """Release the reservation; with ``abort`` cancel the stream and send Abort (in the

@@ -299,7 +299,8 @@ class RequestLifecycle:
     async def _place(self, local: bool, prefer_idle: bool = False) -> DecodeAttempt:
         """Open a Decode stream on the best decode worker that accepts; wait while all are full.
 
-        ``prefer_idle``: rank decode workers with no local prefill in flight first.
+        ``prefer_idle``: rank decode workers with the fewest local prefill tokens in flight
+        first.
         """
         tokens = self.prompt_token_ids + [t.token_id for t in self.output]
         blocks = blocks_for_tokens(len(tokens) + 1, self.config.block_size)
@@ -359,7 +360,12 @@ class RequestLifecycle:
         )
         timeout = min(self._remaining(), self.config.accept_timeout_s)
         attempt = DecodeAttempt(
-            self.pool, worker, worker.client.decode(req), attempt_id, blocks, local=local
+            self.pool,
+            worker,
+            worker.client.decode(req),
+            attempt_id,
+            blocks,
+            local_tokens=len(tokens) if local else 0,
         )
         abort_timeout = self.config.abort_timeout_s
         try:

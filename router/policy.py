@@ -38,14 +38,14 @@ class DecodeLoad:
 
     ``free_blocks``: KV blocks free (reported, minus reservations the router made since the
     report). ``running``: sequences running or waiting for KV (reported plus router in-flight not
-    yet reflected in a report). ``local_prefills``: prompts this router sent there to be
-    prefilled locally that have not produced their first token.
+    yet reflected in a report). ``local_prefill_tokens``: prompt tokens this router sent there
+    to be prefilled locally, of prompts that have not produced their first token.
     """
 
     worker_id: str
     free_blocks: int
     running: int
-    local_prefills: int = 0
+    local_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,19 @@ def rank_decode(
 ) -> list[str]:
     """Decode workers best first for a request needing ``blocks_needed`` KV blocks.
 
-    ``local``: the request will be prefilled there; workers with no local prefill in flight go
-    first among those with room.
+    ``local``: the request will be prefilled there; among workers with room, those with the
+    fewest local prefill tokens in flight go first (so the one :func:`prefill_locally` found
+    room on is tried first).
     """
     fits = [w for w in workers if w.free_blocks >= blocks_needed]
     short = [w for w in workers if w.free_blocks < blocks_needed]
     fits.sort(
-        key=lambda w: (local and w.local_prefills > 0, w.running, -w.free_blocks, w.worker_id)
+        key=lambda w: (
+            w.local_prefill_tokens if local else 0,
+            w.running,
+            -w.free_blocks,
+            w.worker_id,
+        )
     )
     short.sort(key=lambda w: (-w.free_blocks, w.running, w.worker_id))
     return [w.worker_id for w in fits + short]
@@ -91,15 +97,19 @@ def prefill_locally(
 
     True when ``num_tokens <= max_local_prefill_length`` (0 turns the feature off), every prefill
     worker in ``prefill`` has at least ``min_prefill_queue_tokens`` prompt tokens queued (the
-    prompt would wait behind them), and some decode worker has no local prefill in flight (the
-    gate that keeps local prompts from piling up on the decode batch). False with no prefill
-    worker: the caller falls back to local prefill for that reason, not this one.
+    prompt would wait behind them), and on some decode worker the local prefills in flight,
+    this prompt included, stay within ``max_local_prefill_length`` tokens: the gate that bounds
+    the prefill work a decode worker takes on beside its batch by tokens, so a burst of short
+    prompts can go local together while one prompt of the maximum length goes alone. False with
+    no prefill worker: the caller falls back to local prefill for that reason, not this one.
+    (NVIDIA Dynamo's conditional disaggregation gates on the prompt length and the prefill
+    queue; the in-flight token bound is pdserve's, for decode workers that share a CPU.)
     """
     if not prefill or num_tokens > max_local_prefill_length:
         return False
     if min(w.queued_tokens for w in prefill) < min_prefill_queue_tokens:
         return False
-    return any(w.local_prefills == 0 for w in decode)
+    return any(w.local_prefill_tokens + num_tokens <= max_local_prefill_length for w in decode)
 
 
 def _weight(key: int, worker_id: str) -> int:

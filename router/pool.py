@@ -66,7 +66,7 @@ class WorkerState:
     inflight_tokens: int = 0  # prefill: prompt tokens sent, Prefill not yet returned
     new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
     new_running: int = 0  # decode: requests placed since the last poll
-    local_prefills: int = 0  # decode: prompts this router sent to be prefilled there, not yet done
+    local_prefill_tokens: int = 0  # decode: prompt tokens sent to be prefilled there, not yet done
 
     @property
     def info(self) -> WorkerInfo:
@@ -187,12 +187,12 @@ class WorkerPool:
         *,
         blocks: int = 0,
         tokens: int = 0,
-        local_prefill: bool = False,
+        local_prefill_tokens: int = 0,
     ) -> None:
         """Count one request the router placed on ``worker`` until :meth:`release`.
 
         Decode: one more running sequence and ``blocks`` KV blocks, both until the next poll
-        reports them; with ``local_prefill`` also one local prefill until
+        reports them, and ``local_prefill_tokens`` prompt tokens it prefills itself until
         :meth:`prefilled_locally`. Prefill: ``tokens`` prompt tokens queued until the Prefill
         call returns.
         """
@@ -201,11 +201,12 @@ class WorkerPool:
         if worker.info.role == "decode":
             worker.new_running += 1
             worker.new_blocks += blocks
-            worker.local_prefills += local_prefill
+            worker.local_prefill_tokens += local_prefill_tokens
 
-    def prefilled_locally(self, worker: WorkerState) -> None:
-        """A local prefill counted by ``reserve(..., local_prefill=True)`` is done (or gone)."""
-        worker.local_prefills -= 1
+    def prefilled_locally(self, worker: WorkerState, tokens: int) -> None:
+        """The local prefill of ``tokens`` prompt tokens counted by ``reserve`` is done (or
+        gone)."""
+        worker.local_prefill_tokens -= tokens
 
     def release(self, worker: WorkerState, *, tokens: int = 0) -> None:
         """The request counted by ``reserve(worker, tokens=tokens)`` left ``worker``."""
@@ -230,7 +231,7 @@ class WorkerPool:
                     w.worker_id,
                     free_blocks=free,
                     running=running,
-                    local_prefills=w.local_prefills,
+                    local_prefill_tokens=w.local_prefill_tokens,
                 )
             )
         return loads

@@ -1,10 +1,11 @@
 """Conditional disaggregation served end to end on the bundled SmolLM2 (issue 15).
 
-A disaggregated server (1 prefill + 1 decode worker, CPU) with ``--max-local-prefill-length``
-and ``--min-prefill-queue-tokens 0`` sends a prompt to its decode worker whenever that worker has
-no other local prefill in flight, so a concurrent burst splits between prompts computed on the
-decode worker's prefill thread (the CPU default with the flag) and prompts whose KV comes over
-from the prefill worker. Greedy outputs must not depend on which path a prompt took.
+A disaggregated server (1 prefill + 1 decode worker, CPU) with ``--max-local-prefill-length 16``
+and ``--min-prefill-queue-tokens 0`` sends a prompt to its decode worker whenever the local
+prefills in flight there, this one included, total at most 16 tokens, so a concurrent burst of
+5-10-token prompts splits between prompts computed on the decode worker's prefill thread and
+prompts whose KV comes over from the prefill worker. Greedy outputs must not depend on which
+path a prompt took.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
     # float32: greedy tokens compared across different batches (see tests/e2e/test_serve.py)
-    flags = ["--max-local-prefill-length", "4096", "--min-prefill-queue-tokens", "0"]
+    flags = ["--max-local-prefill-length", "16", "--min-prefill-queue-tokens", "0"]
     srv = ServeProcess(["--dtype", "float32", *flags])
     try:
         srv.wait_ready()
@@ -60,8 +61,9 @@ def test_local_and_remote_prefills_give_the_same_tokens(server: ServeProcess) ->
     paths = kv_paths(server.url)
     assert paths.get("local", 0) >= 1, paths  # some prompts were prefilled on the decode worker
     assert sum(v for k, v in paths.items() if k != "local") >= 1, paths  # and some remotely
-    # one at a time every prompt is local (no other local prefill in flight): same tokens
+    # one at a time every prompt (<= 10 tokens) is local: the same tokens
     alone = [complete(server.url, p) for p in prompts]
+    assert kv_paths(server.url)["local"] == paths["local"] + len(prompts)
     assert burst == alone
     assert all(text.strip() for text in alone)
     assert "Paris" in alone[0]

@@ -70,15 +70,21 @@ async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_
         lc = make(c, max_tokens=6, request_id="req-2", **cfg)
         assert await collect(lc) == expected(PROMPT, 6)  # the same tokens, prefilled on D
         assert c.decodes[0].requests[-1].prefill_locally and lc.num_local_prefills == 1
-        assert len(c.prefills[0].requests) == 1 and decode.local_prefills == 0
+        assert len(c.prefills[0].requests) == 1 and decode.local_prefill_tokens == 0
         long_prompt = list(range(100, 165))  # 65 tokens: over the local limit
         lc = make(c, max_tokens=3, request_id="req-3", prompt=long_prompt, **cfg)
         assert await collect(lc) == expected(long_prompt, 3)
         assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 0
-        decode.local_prefills += 1  # a local prefill in flight: the gate sends the next one to P
+        # local prefills in flight there: the prompt goes local only while they all fit 64 tokens
+        decode.local_prefill_tokens += 64 - len(PROMPT)
         lc = make(c, max_tokens=3, request_id="req-4", **cfg)
         assert await collect(lc) == expected(PROMPT, 3)
+        assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 1
+        decode.local_prefill_tokens += 1  # one token more: it no longer fits, P takes it
+        lc = make(c, max_tokens=3, request_id="req-5", **cfg)
+        assert await collect(lc) == expected(PROMPT, 3)
         assert len(c.prefills[0].requests) == 3 and lc.num_local_prefills == 0
+        assert decode.local_prefill_tokens == 64 - len(PROMPT) + 1  # finished ones gave theirs back
     finally:
         await c.close()
 

@@ -89,21 +89,23 @@ def test_policy_validates_its_knobs() -> None:
         PrefillPolicy(balance_rel=0.5)
 
 
-def test_conditional_disaggregation_needs_a_short_prompt_a_backlog_and_an_idle_decode_gate() -> (
-    None
-):
+def test_conditional_disaggregation_needs_a_short_prompt_a_backlog_and_local_room() -> None:
     backlog = [PrefillLoad("p0", queued_tokens=3000), PrefillLoad("p1", queued_tokens=1500)]
-    idle = [
-        DecodeLoad("d0", free_blocks=10, running=4, local_prefills=1),
+    room = [
+        DecodeLoad("d0", free_blocks=10, running=4, local_prefill_tokens=300),
         DecodeLoad("d1", free_blocks=10, running=6),
     ]
-    assert prefill_locally(256, backlog, idle, 512, 1024)
-    assert not prefill_locally(513, backlog, idle, 512, 1024)  # longer than the local limit
-    assert not prefill_locally(256, backlog, idle, 0, 1024)  # 0 turns it off
-    assert not prefill_locally(256, backlog, idle, 512, 2000)  # p1 is not backlogged enough
-    busy = [DecodeLoad("d0", free_blocks=10, running=4, local_prefills=1)]
-    assert not prefill_locally(256, backlog, busy, 512, 1024)  # the gate: one local at a time
-    assert not prefill_locally(256, [], idle, 512, 0)  # no prefill worker: not this rule's call
-    # a local request goes to a decode worker without a local prefill in flight, if one has room
-    assert rank_decode(idle, 4, local=True) == ["d1", "d0"]
-    assert rank_decode(idle, 4) == ["d0", "d1"]
+    assert prefill_locally(256, backlog, room, 512, 1024)
+    assert not prefill_locally(513, backlog, room, 512, 1024)  # longer than the local limit
+    assert not prefill_locally(256, backlog, room, 0, 1024)  # 0 turns it off
+    assert not prefill_locally(256, backlog, room, 512, 2000)  # p1 is not backlogged enough
+    assert not prefill_locally(256, [], room, 512, 0)  # no prefill worker: not this rule's call
+    # the gate: a decode worker's local prefills in flight, this one included, fit the limit
+    busy = [DecodeLoad("d0", free_blocks=10, running=4, local_prefill_tokens=300)]
+    assert prefill_locally(212, backlog, busy, 512, 1024)
+    assert not prefill_locally(213, backlog, busy, 512, 1024)
+    # a local request goes to the decode worker with the fewest local tokens in flight, if it
+    # has room; without local prefill the local tokens do not count
+    assert rank_decode(room, 4, local=True) == ["d1", "d0"]
+    assert rank_decode(room, 4) == ["d0", "d1"]
+    assert rank_decode(room, 11, local=True) == ["d0", "d1"]  # neither has room: by free blocks
