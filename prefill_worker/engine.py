@@ -313,7 +313,7 @@ class PrefillEngine(WorkerEngine):
         now (see the module docstring) and wake the loop, whose freed blocks may admit more."""
         with self._lock:
             rid = p.seq.request_id
-            if self._pending.get(rid) is not p or f.cancelled():
+            if self._pending.get(rid) is not p:
                 return  # aborted while sending; its blocks are already free
             exc = f.exception()
             if exc is not None:

@@ -90,11 +90,10 @@ def _decode_workers(url: str) -> list[dict]:
     return [w for w in workers if w["role"] == "decode" and w["state"] == "ready"]
 
 
-def _num_running(address: str) -> int:
-    async def call() -> int:
+def _decode_stats(address: str) -> wpb.DecodeStats:
+    async def call() -> wpb.DecodeStats:
         async with grpc.aio.insecure_channel(address) as ch:
-            stats = await wpb_grpc.DecodeServiceStub(ch).GetStats(wpb.StatsRequest(), timeout=10)
-            return int(stats.num_running)
+            return await wpb_grpc.DecodeServiceStub(ch).GetStats(wpb.StatsRequest(), timeout=10)
 
     return asyncio.run(call())
 
@@ -114,7 +113,7 @@ def _stream(url: str, kill_after: int | None) -> tuple[list[str], dict | None]:
             for choice in json.loads(line[6:]).get("choices", []):
                 pieces.append(choice["delta"].get("content") or "")  # one chunk per token
             if kill_after is not None and victim is None and len(pieces) >= kill_after:
-                victim = next(w for w in decode if _num_running(w["grpc_address"]) > 0)
+                victim = next(w for w in decode if _decode_stats(w["grpc_address"]).num_running > 0)
                 os.kill(victim["pid"], signal.SIGKILL)
     return pieces, victim
 
@@ -151,14 +150,6 @@ def _long_prompt(i: int) -> str:
 
 def _completion(i: int) -> dict:
     return {"model": "smollm2", "prompt": _long_prompt(i), "max_tokens": 4, "temperature": 0}
-
-
-def _decode_stats(address: str) -> wpb.DecodeStats:
-    async def call() -> wpb.DecodeStats:
-        async with grpc.aio.insecure_channel(address) as ch:
-            return await wpb_grpc.DecodeServiceStub(ch).GetStats(wpb.StatsRequest(), timeout=10)
-
-    return asyncio.run(call())
 
 
 def test_decode_worker_killed_while_its_prompts_queue_on_the_prefill_worker(
