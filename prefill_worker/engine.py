@@ -73,6 +73,8 @@ class PrefillEngineStats:
     step_time_ms: float = 0.0  # mean forward time per step over the last 10 s, ms
     batch_size: float = 0.0  # mean prompt chunks per step over the last 10 s
     prompt_tokens_computed: int = 0  # prompt tokens computed since start
+    long_prefill_token_threshold: int = 0  # the scheduler's class bound (0 = one class)
+    num_queued_short_tokens: int = 0  # of num_queued_tokens, those of short prompts
 
 
 @dataclass(eq=False)
@@ -381,6 +383,8 @@ class PrefillEngine(WorkerEngine):
                 step_time_ms=step_ms,
                 batch_size=self.window.mean_batch(),
                 prompt_tokens_computed=self.window.total_tokens,
+                long_prefill_token_threshold=self.scheduler.class_threshold,
+                num_queued_short_tokens=self.scheduler.num_queued_short_tokens,
             )
 
     def request_state(self, request_id: str) -> PrefillState | None:

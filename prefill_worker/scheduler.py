@@ -134,6 +134,27 @@ class PrefillScheduler:
             s.num_remaining_prompt_tokens for s in self._running
         )
 
+    @property
+    def num_queued_short_tokens(self) -> int:
+        """Of :attr:`num_queued_tokens`, those of short prompts: the work a newly arrived short
+        prompt waits behind (long prompts' chunks take at most ``long_share`` tokens of a step,
+        and never two steps in a row while a short prompt can run). A waiting request is not
+        classed yet; it counts as short when its whole prompt is at most ``long_threshold``
+        tokens (its class at admission also subtracts prefix-cache hits). 0 with chunked
+        prefill off, where there is one first-come-first-served class."""
+        if not self.config.enable_chunked_prefill:
+            return 0
+        return sum(
+            s.num_remaining_prompt_tokens
+            for s in self._waiting
+            if s.num_remaining_prompt_tokens <= self.long_threshold
+        ) + sum(s.num_remaining_prompt_tokens for s in self._running if not s.is_long)
+
+    @property
+    def class_threshold(self) -> int:
+        """``long_threshold`` when prompts are classed (chunked prefill on), else 0."""
+        return self.long_threshold if self.config.enable_chunked_prefill else 0
+
     def has_unscheduled_work(self) -> bool:
         """True when a ``schedule()`` call could produce chunks."""
         return bool(self._waiting or self._running)

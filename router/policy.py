@@ -21,8 +21,10 @@ least-queued worker and ``balance_rel`` times as many.
 Conditional disaggregation (:func:`prefill_locally`), after NVIDIA Dynamo's feature of that name:
 a short prompt is prefilled on its decode worker instead of waiting behind a backlog on the
 prefill workers. Dynamo decides by prompt length and prefill queue size; here the prompt must be
-short, every prefill worker backlogged, and some decode worker free of local prefills, so one
-decode step never carries more than one local prompt.
+short, every prefill worker backlogged for the prompt's own class (a prompt the prefill scheduler
+classes short waits only behind the short prompts queued there), and the local prefills in
+flight on some decode worker, this one included, within the length limit, so one decode step
+never carries more than that many local prompt tokens.
 """
 
 from __future__ import annotations
@@ -50,10 +52,23 @@ class DecodeLoad:
 
 @dataclass(frozen=True)
 class PrefillLoad:
-    """A prefill worker's load: ``queued_tokens`` = prompt tokens not yet computed on it."""
+    """A prefill worker's load in prompt tokens not yet computed on it: ``queued_tokens`` in
+    all, ``queued_short_tokens`` of them in prompts of at most ``long_threshold`` tokens, the
+    class its scheduler serves ahead of longer prompts' chunks (0 = one first-come class).
+    """
 
     worker_id: str
     queued_tokens: int
+    queued_short_tokens: int = 0
+    long_threshold: int = 0
+
+    def backlog(self, num_tokens: int) -> int:
+        """Prompt tokens a new ``num_tokens``-token prompt would wait behind here: the short
+        class's when it is short (long prompts' chunks take a bounded share of each step, see
+        prefill_worker/scheduler.py), else the whole queue."""
+        if 0 < num_tokens <= self.long_threshold:
+            return self.queued_short_tokens
+        return self.queued_tokens
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -95,9 +110,11 @@ def prefill_locally(
 ) -> bool:
     """Conditional disaggregation: prefill a ``num_tokens``-token prompt on its decode worker?
 
-    True when ``num_tokens <= max_local_prefill_length`` (0 turns the feature off), every prefill
-    worker in ``prefill`` has at least ``min_prefill_queue_tokens`` prompt tokens queued (the
-    prompt would wait behind them), and on some decode worker the local prefills in flight,
+    True when ``num_tokens <= max_local_prefill_length`` (0 turns the feature off), the prompt
+    would wait behind at least ``min_prefill_queue_tokens`` prompt tokens on every prefill
+    worker in ``prefill`` (:meth:`PrefillLoad.backlog`: a short prompt counts only the short
+    prompts queued, which the prefill scheduler serves ahead of long prompts' chunks), and on
+    some decode worker the local prefills in flight,
     this prompt included, stay within ``max_local_prefill_length`` tokens: the gate that bounds
     the prefill work a decode worker takes on beside its batch by tokens, so a burst of short
     prompts can go local together while one prompt of the maximum length goes alone. False with
@@ -107,7 +124,7 @@ def prefill_locally(
     """
     if not prefill or num_tokens > max_local_prefill_length:
         return False
-    if min(w.queued_tokens for w in prefill) < min_prefill_queue_tokens:
+    if min(w.backlog(num_tokens) for w in prefill) < min_prefill_queue_tokens:
         return False
     return any(w.local_prefill_tokens + num_tokens <= max_local_prefill_length for w in decode)
 

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -63,7 +64,8 @@ class WorkerState:
     failures: int = 0  # consecutive failed polls / RPCs
     added_at: float = field(default_factory=time.monotonic)  # when the pool learned of it
     inflight: int = 0  # requests the router has placed here and not finished
-    inflight_tokens: int = 0  # prefill: prompt tokens sent, Prefill not yet returned
+    # prefill: prompts sent, Prefill not yet returned, as {prompt tokens: how many}
+    inflight_prompts: Counter[int] = field(default_factory=Counter)
     new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
     new_running: int = 0  # decode: requests placed since the last poll
     local_prefill_tokens: int = 0  # decode: prompt tokens sent to be prefilled there, not yet done
@@ -197,7 +199,8 @@ class WorkerPool:
         call returns.
         """
         worker.inflight += 1
-        worker.inflight_tokens += tokens
+        if tokens:
+            worker.inflight_prompts[tokens] += 1
         if worker.info.role == "decode":
             worker.new_running += 1
             worker.new_blocks += blocks
@@ -211,7 +214,10 @@ class WorkerPool:
     def release(self, worker: WorkerState, *, tokens: int = 0) -> None:
         """The request counted by ``reserve(worker, tokens=tokens)`` left ``worker``."""
         worker.inflight -= 1
-        worker.inflight_tokens -= tokens
+        if tokens:
+            worker.inflight_prompts[tokens] -= 1
+            if worker.inflight_prompts[tokens] <= 0:
+                del worker.inflight_prompts[tokens]
 
     # -- load snapshots for the policy -------------------------------------------------------
 
@@ -237,11 +243,22 @@ class WorkerPool:
         return loads
 
     def prefill_loads(self) -> list[PrefillLoad]:
-        """Healthy prefill workers' queued prompt tokens (reported + router in flight)."""
+        """Healthy prefill workers' queued prompt tokens (reported + router in flight), in all
+        and of the short class (prompts of at most the worker's reported long threshold)."""
         loads = []
         for w in self.workers("prefill"):
-            reported = w.stats.num_queued_tokens if isinstance(w.stats, pb.PrefillStats) else 0
-            loads.append(PrefillLoad(w.worker_id, queued_tokens=reported + w.inflight_tokens))
+            s = w.stats if isinstance(w.stats, pb.PrefillStats) else pb.PrefillStats()
+            threshold = s.long_prefill_token_threshold
+            inflight = sum(n * c for n, c in w.inflight_prompts.items())
+            short = sum(n * c for n, c in w.inflight_prompts.items() if n <= threshold)
+            loads.append(
+                PrefillLoad(
+                    w.worker_id,
+                    queued_tokens=s.num_queued_tokens + inflight,
+                    queued_short_tokens=s.num_queued_short_tokens + short,
+                    long_threshold=threshold,
+                )
+            )
         return loads
 
     # -- health ------------------------------------------------------------------------------

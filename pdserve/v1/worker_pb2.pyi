@@ -89,7 +89,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_queued_tokens", "num_running", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hit_rate", "prompt_tokens_per_s", "num_prefills", "transfer_bytes", "transfer_failures", "step_time_ms", "batch_size", "prompt_tokens_computed")
+    __slots__ = ("worker_id", "num_waiting", "num_queued_tokens", "num_running", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hit_rate", "prompt_tokens_per_s", "num_prefills", "transfer_bytes", "transfer_failures", "step_time_ms", "batch_size", "prompt_tokens_computed", "long_prefill_token_threshold", "num_queued_short_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class PrefillStats(_message.Message):
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_SHORT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_queued_tokens: int
@@ -120,7 +122,9 @@ class PrefillStats(_message.Message):
     step_time_ms: float
     batch_size: float
     prompt_tokens_computed: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
+    long_prefill_token_threshold: int
+    num_queued_short_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., num_queued_short_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "num_output_tokens", "sampling", "prefill_locally", "deadline_unix_ms", "kv_timeout_s")

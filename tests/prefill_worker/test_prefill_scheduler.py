@@ -146,6 +146,25 @@ def test_short_prompts_get_the_rest_of_the_step_while_long_ones_share_t() -> Non
     assert _step(s) == {"long1": 100}  # no short prompt left: long chunks back to back
 
 
+def test_queued_short_tokens_follow_the_classes() -> None:
+    s = _sched(batched=512, threshold=100)
+    _add(s, "long1", 150)
+    _add(s, "short1", 90, base=9000)
+    _add(s, "edge", 100, base=20000)  # at T: short
+    assert (s.class_threshold, s.num_queued_tokens, s.num_queued_short_tokens) == (100, 340, 190)
+    _add(s, "short2", 60, base=30000)
+    assert _step(s) == {"long1": 100, "short1": 90, "edge": 100, "short2": 60}
+    # long1's last 50 tokens stay in the long class (a prompt keeps its class to the end)
+    assert (s.num_queued_tokens, s.num_queued_short_tokens) == (50, 0)
+    _add(s, "short3", 40, base=40000)
+    _add(s, "long2", 101, base=50000)  # waiting: classed by its prompt length
+    assert (s.num_queued_tokens, s.num_queued_short_tokens) == (191, 40)
+    # one class with chunked prefill off: nothing reported as short, threshold 0
+    u = _sched(batched=128, enable_chunked_prefill=False)
+    _add(u, "a", 100)
+    assert (u.class_threshold, u.num_queued_tokens, u.num_queued_short_tokens) == (0, 100, 0)
+
+
 def test_long_chunks_alternate_with_short_steps_under_a_stream_of_short_prompts() -> None:
     s = _sched(threshold=100)
     _add(s, "long", 400)

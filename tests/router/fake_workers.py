@@ -233,6 +233,7 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
     ``stall_budget``: the next N Prefill calls never finish (until the caller cancels them).
     ``reply_delay_s``: time between delivering the KV and answering the call.
     ``transfer_outcome``: what the transfer record says (a non-"ok" value delivers nothing).
+    ``queue``: PrefillStats fields GetStats reports beside ``num_running`` (e.g. a backlog).
     """
 
     worker_id: str
@@ -248,6 +249,7 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
     aborted: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     cancelled: list[str] = field(default_factory=list)
+    queue: dict[str, int] = field(default_factory=dict)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         self.requests.append(request)
@@ -294,7 +296,9 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
         return pb.AbortResponse(found=request.request_id in self.running)
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return pb.PrefillStats(worker_id=self.worker_id, num_running=len(self.running))
+        return pb.PrefillStats(
+            worker_id=self.worker_id, num_running=len(self.running), **self.queue
+        )
 
 
 @dataclass

@@ -89,6 +89,44 @@ async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_
         await c.close()
 
 
+async def test_conditional_disaggregation_counts_the_backlog_of_the_prompts_class() -> None:
+    """A prompt short enough for the prefill worker's short class waits only behind the short
+    prompts queued there (long prompts' chunks take a bounded share of each step), so a long
+    backlog alone does not send it to the decode worker; a prompt over the class bound does."""
+    queue = {
+        "num_queued_tokens": 3000,
+        "num_queued_short_tokens": 0,
+        "long_prefill_token_threshold": len(PROMPT),
+    }
+    c = await start_fake_cluster(prefills=[{"queue": queue}])
+    try:
+        cfg = {"max_local_prefill_length": 64, "min_prefill_queue_tokens": 1000}
+        prefill = c.pool.get("prefill-0")
+        assert prefill is not None
+        await wait_until(lambda: prefill.stats and prefill.stats.num_queued_tokens == 3000)
+        lc = make(c, max_tokens=3, **cfg)  # 40 tokens, short there: behind 0 short tokens
+        assert await collect(lc) == expected(PROMPT, 3)
+        assert len(c.prefills[0].requests) == 1 and lc.num_local_prefills == 0
+        longer = list(range(100, 141))  # 41 tokens: long there, behind the whole queue
+        lc = make(c, max_tokens=3, request_id="req-2", prompt=longer, **cfg)
+        assert await collect(lc) == expected(longer, 3)
+        assert len(c.prefills[0].requests) == 1 and lc.num_local_prefills == 1
+        # short prompts queued there, as reported and as this router's own in flight
+        c.prefills[0].queue["num_queued_short_tokens"] = 1000 - 2 * len(PROMPT)
+        await wait_until(lambda: prefill.stats.num_queued_short_tokens == 1000 - 2 * len(PROMPT))
+        c.pool.reserve(prefill, tokens=len(PROMPT))  # short: counts
+        c.pool.reserve(prefill, tokens=len(longer))  # long: only in the whole queue
+        lc = make(c, max_tokens=3, request_id="req-3", **cfg)  # 920 + 40 short tokens ahead
+        assert await collect(lc) == expected(PROMPT, 3)
+        assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 0
+        c.pool.reserve(prefill, tokens=len(PROMPT))  # 1000 short tokens ahead now
+        lc = make(c, max_tokens=3, request_id="req-4", **cfg)
+        assert await collect(lc) == expected(PROMPT, 3)
+        assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 1
+    finally:
+        await c.close()
+
+
 async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
     c = await start_fake_cluster(decodes=[{"preempt_budget": 1, "preempt_at": 3}])
     try:

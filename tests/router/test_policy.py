@@ -109,3 +109,22 @@ def test_conditional_disaggregation_needs_a_short_prompt_a_backlog_and_local_roo
     assert rank_decode(room, 4, local=True) == ["d1", "d0"]
     assert rank_decode(room, 4) == ["d0", "d1"]
     assert rank_decode(room, 11, local=True) == ["d0", "d1"]  # neither has room: by free blocks
+
+
+def test_a_short_prompt_counts_only_the_short_prompts_queued_before_going_local() -> None:
+    # p0 holds 3000 queued tokens, 200 of them in short prompts (<= 256 tokens); its scheduler
+    # serves those ahead of the long prompts' chunks, so a 64-token prompt waits behind 200
+    p0 = PrefillLoad("p0", queued_tokens=3000, queued_short_tokens=200, long_threshold=256)
+    room = [DecodeLoad("d0", free_blocks=10, running=4)]
+    assert p0.backlog(64) == 200 and p0.backlog(256) == 200
+    assert p0.backlog(257) == 3000  # a long prompt waits in the long share behind everything
+    assert not prefill_locally(64, [p0], room, 512, 512)  # stays on the prefill worker
+    assert prefill_locally(300, [p0], room, 512, 512)  # long there: the whole queue is ahead
+    # a worker that reports no classes (chunked prefill off) is first come, first served
+    fcfs = PrefillLoad("p1", queued_tokens=3000, queued_short_tokens=0, long_threshold=0)
+    assert fcfs.backlog(64) == 3000
+    assert prefill_locally(64, [fcfs], room, 512, 512)
+    # every prefill worker must be backlogged for this prompt's class
+    assert not prefill_locally(64, [fcfs, p0], room, 512, 512)
+    busy_short = PrefillLoad("p2", queued_tokens=3000, queued_short_tokens=600, long_threshold=256)
+    assert prefill_locally(64, [fcfs, busy_short], room, 512, 512)
