@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from kv_transfer.base import KVSender, TransferOutcome, TransferRecord
 from pdserve.config import EngineConfig, ModelConfig, prefill_step_budget
 from pdserve.engine.errors import (
+    ABORTED,
     ALREADY_EXISTS,
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -170,8 +171,9 @@ class PrefillEngine(WorkerEngine):
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: PrefillRequest) -> Future[PrefillResult]:
         """Validate and queue a prefill. Returns a future resolving to a PrefillResult, or failing
-        with EngineError (CANCELLED on abort, DEADLINE_EXCEEDED, UNAVAILABLE when the KV send
-        fails, INTERNAL when the forward raised).
+        with EngineError (CANCELLED on abort, DEADLINE_EXCEEDED, ABORTED when the KV could not
+        be sent to the target (unreachable, gone, or it no longer holds the reservation),
+        INTERNAL when the forward raised).
 
         Raises EngineError at once: INVALID_ARGUMENT (see ``EngineRequest.validate``),
         RESOURCE_EXHAUSTED (the prompt needs more KV blocks than the pool has), ALREADY_EXISTS
@@ -304,7 +306,7 @@ class PrefillEngine(WorkerEngine):
             )
         except Exception as e:
             self.transfer_failures += 1
-            self._fail(seq.request_id, EngineError(UNAVAILABLE, f"KV send failed: {e}"))
+            self._fail(seq.request_id, EngineError(ABORTED, f"KV send failed: {e}"))
             return
 
         p.transfer = fut
@@ -320,14 +322,12 @@ class PrefillEngine(WorkerEngine):
             exc = f.exception()
             if exc is not None:
                 self.transfer_failures += 1
-                self._fail(rid, EngineError(UNAVAILABLE, f"KV transfer failed: {exc}"))
+                self._fail(rid, EngineError(ABORTED, f"KV transfer failed: {exc}"))
             elif (record := f.result()).outcome is not TransferOutcome.OK:
                 # 'dropped': the decode worker held no reservation (it gave the request up).
                 self.transfer_failures += 1
                 reason = f": {record.error}" if record.error else ""
-                self._fail(
-                    rid, EngineError(UNAVAILABLE, f"KV transfer {record.outcome.value}{reason}")
-                )
+                self._fail(rid, EngineError(ABORTED, f"KV transfer {record.outcome.value}{reason}"))
             else:
                 self.transfer_bytes += int(record.bytes)
                 self._complete(p, record)

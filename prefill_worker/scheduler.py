@@ -11,7 +11,9 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
   :func:`default_long_threshold`), else *short*. The class is kept until the prompt is done, so
   a long prompt's last chunk never jumps ahead of short prompts.
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
-  queue. A short request takes its whole remainder while budget lasts (a remainder the budget
+  queue, which is kept in order of each sequence's first arrival at its router
+  (``PrefillRequest.arrival_time``), so a sequence re-placed after a preemption, a lost decode
+  worker or a failed prefill keeps its place ahead of requests that came after it. A short request takes its whole remainder while budget lasts (a remainder the budget
   cuts continues in the next step that runs short prompts, ahead of later ones). Long requests
   **share at most S = min(T, B) tokens per step** between them, the earliest first, and get no
   more even when the rest of the budget is unused, with one exception: a long prompt whose
@@ -76,6 +78,7 @@ class PrefillSeq(EngineSeq[PrefillRequest]):
     """A prefill's progress (see EngineSeq). Times are ``time.monotonic()`` seconds."""
 
     arrival: float = field(default_factory=time.monotonic)
+    queue_key: float = 0.0  # time.time() order in the waiting queue (PrefillRequest.arrival_time)
     state: PrefillState = PrefillState.WAITING
     first_scheduled: float | None = None
     is_long: bool = False  # its class, decided at admission (see the module docstring)
@@ -168,11 +171,18 @@ class PrefillScheduler:
 
     # ----------------------------------------------------------------------------- lifecycle
     def add(self, seq: PrefillSeq) -> None:
-        """Queue a request (validated by the engine). Raises ValueError for a duplicate id."""
+        """Queue a request (validated by the engine) in arrival order: by its
+        ``arrival_time`` when it has one (a re-placed sequence keeps its place), else now.
+        Raises ValueError for a duplicate id."""
         if seq.request_id in self._by_id:
             raise ValueError(f"request {seq.request_id!r} is already queued")
         seq.state = PrefillState.WAITING
-        self._waiting.append(seq)
+        arrival = seq.request.arrival_time
+        seq.queue_key = time.time() if arrival is None else arrival
+        at = len(self._waiting)
+        while at > 0 and self._waiting[at - 1].queue_key > seq.queue_key:
+            at -= 1
+        self._waiting.insert(at, seq)
         self._by_id[seq.request_id] = seq
 
     def remove(self, request_id: str) -> PrefillSeq | None:

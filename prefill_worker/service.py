@@ -4,8 +4,9 @@
 the request's future; it returns token 1 with its logprob(s), cached_tokens, queue/compute/transfer
 milliseconds and the KV transfer record. A refused request ends the RPC with a status:
 INVALID_ARGUMENT (empty prompt, prompt over the model limit, sampling values out of range, no KV
-target), RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE (KV send failed), DEADLINE_EXCEEDED,
-CANCELLED (aborted). When the caller cancels the RPC the request is aborted, freeing its blocks.
+target), RESOURCE_EXHAUSTED, ALREADY_EXISTS, ABORTED (the prompt was computed but its KV could
+not reach the decode worker: retry the sequence elsewhere), UNAVAILABLE (shutting down),
+DEADLINE_EXCEEDED, CANCELLED (aborted). When the caller cancels the RPC the request is aborted, freeing its blocks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
         ),
         num_output_tokens=m.num_output_tokens,
         deadline=wire_deadline(m.deadline_unix_ms, time.time()),
+        arrival_time=m.arrival_unix_ms / 1000.0 if m.arrival_unix_ms > 0 else None,
     )
 
 

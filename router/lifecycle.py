@@ -145,6 +145,7 @@ class RequestLifecycle:
         self.num_local_prefills = 0  # prefills done by the decode worker itself (no KV transfer)
         self.num_prefill_failures = 0
         self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
+        self._arrival_unix_ms = int(time.time() * 1000)  # its place in prefill workers' queues
         self.first_token_time: float | None = None
         # prompt tokens 1..n-1 with their logprobs, once a worker reported them (when asked)
         self.prompt_logprobs: tuple[SampledToken, ...] | None = None
@@ -458,6 +459,7 @@ class RequestLifecycle:
             ),
             num_output_tokens=len(self.output),
             deadline_unix_ms=self._deadline_unix_ms(),
+            arrival_unix_ms=self._arrival_unix_ms,
         )
         self.pool.reserve(worker, tokens=len(tokens))
         self._prefill_holder = (worker, attempt.attempt_id)
@@ -532,7 +534,11 @@ class RequestLifecycle:
         _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
-        if code in WORKER_DOWN:
+        if code is grpc.StatusCode.ABORTED:
+            # computed, but the KV did not reach D (gone, or it gave the reservation up): the
+            # next placement avoids D; nothing says this prefill worker is down
+            self._left_decode.add(attempt.worker.worker_id)
+        elif code in WORKER_DOWN:
             self.pool.report_failure(worker.worker_id, slow=code in WORKER_SLOW)
             self._down_prefill.add(worker.worker_id)
         self.num_prefill_failures += 1

@@ -7,6 +7,9 @@ when the request fails later. Codes are plain strings named after ``grpc.StatusC
 
 from __future__ import annotations
 
+# the work was done but could not be handed on (a prefill's KV did not reach its decode worker):
+# the caller should retry the whole operation elsewhere; not a sign that this worker is down
+ABORTED = "ABORTED"
 ALREADY_EXISTS = "ALREADY_EXISTS"  # the request id is live here
 CANCELLED = "CANCELLED"  # aborted by the caller
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's deadline (or KV wait) passed

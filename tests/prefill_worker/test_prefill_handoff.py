@@ -15,7 +15,7 @@ from prefill_tiny import TINY, OneShot, prompt, tiny_config
 
 from kv_transfer import make_receiver
 from kv_transfer.base import KVLayout, KVReceiver, TransferResult
-from pdserve.engine.errors import UNAVAILABLE, EngineError
+from pdserve.engine.errors import ABORTED, EngineError
 from pdserve.kv_cache.pool import KVPool
 from pdserve.sampling_params import SamplingParams
 from prefill_worker.engine import PrefillEngine
@@ -114,7 +114,7 @@ def test_send_without_a_reservation_fails_and_frees_blocks() -> None:
     eng.run_until_idle()
     with pytest.raises(EngineError) as e:
         f.result(0)
-    assert e.value.code == UNAVAILABLE and "dropped" in e.value.message
+    assert e.value.code == ABORTED and "dropped" in e.value.message
     assert eng.stats().transfer_failures == 1
     eng.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
@@ -123,7 +123,7 @@ def test_send_without_a_reservation_fails_and_frees_blocks() -> None:
         PrefillRequest("y", prompt(40, seed=2), GREEDY, target=KVTarget(5, "loopback:999999"))
     )
     eng.run_until_idle()
-    assert g.exception(0).code == UNAVAILABLE  # type: ignore[union-attr]
+    assert g.exception(0).code == ABORTED  # type: ignore[union-attr]
     target, _, recv = dec.reserve(30)
     ok = eng.add_request(PrefillRequest("z", prompt(30, seed=3), GREEDY, target=target))
     eng.run_until_idle()

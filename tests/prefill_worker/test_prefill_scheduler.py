@@ -5,6 +5,8 @@ The policy's bounds over random traffic are checked in test_prefill_scheduler_bo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.config import (
@@ -323,3 +325,25 @@ def test_duplicate_id_is_refused() -> None:
     _add(s, "x", 4)
     with pytest.raises(ValueError, match="already queued"):
         _add(s, "x", 4)
+
+
+def test_waiting_queue_is_in_first_arrival_order() -> None:
+    """A re-placed sequence (preempted, its decode worker lost) carries its first arrival and
+    goes ahead of the requests that came after it; a request without one arrives now."""
+    s = _sched(batched=64, max_seqs=1)
+    _add(s, "a", 40)  # no arrival_time: now
+    _add(s, "b", 40, base=1000)
+    req = PrefillRequest(
+        "old~1",
+        tuple(range(2000, 2040)),
+        SamplingParams(temperature=0),
+        arrival_time=time.time() - 30.0,
+    )
+    s.add(PrefillSeq(req))
+    later = PrefillRequest(
+        "c", tuple(range(3000, 3040)), SamplingParams(temperature=0), arrival_time=time.time() + 5
+    )
+    s.add(PrefillSeq(later))
+    _add(s, "d", 40, base=4000)  # now: before c, whose router stamped a later time
+    order = [next(iter(_step(s))) for _ in range(5)]
+    assert order == ["old~1", "a", "b", "d", "c"]

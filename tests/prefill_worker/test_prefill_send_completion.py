@@ -15,7 +15,7 @@ from prefill_tiny import TINY, prompt, tiny_config
 
 from kv_transfer.base import KVLayout, KVSender, TransferStats
 from pdserve.engine.batch import ScheduledSeq
-from pdserve.engine.errors import CANCELLED, UNAVAILABLE
+from pdserve.engine.errors import ABORTED, CANCELLED
 from pdserve.engine.runner import StepOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import TransferOutcome, TransferRecord
@@ -125,7 +125,7 @@ def test_dropped_transfer_fails_the_request_at_once(
     eng.step()
     sender.ack(3, TransferOutcome.DROPPED)
     err = f.exception(WAIT_S)
-    assert getattr(err, "code", None) == UNAVAILABLE and "dropped" in str(err)
+    assert getattr(err, "code", None) == ABORTED and "dropped" in str(err)
     assert eng.stats().transfer_failures == 1
     eng.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks

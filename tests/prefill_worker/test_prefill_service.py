@@ -24,7 +24,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.request import KVTarget, PrefillRequest
-from prefill_worker.service import serve
+from prefill_worker.service import request_from_proto, serve
 
 pytestmark = pytest.mark.timeout(180)
 SAMPLING = SamplingParams(temperature=0, logprobs=True, top_logprobs=2, max_tokens=8)
@@ -207,3 +207,17 @@ async def test_cancelled_rpc_aborts_the_request_and_frees_its_blocks() -> None:
         await channel.close()
         await server.stop(1)
         engine.shutdown()
+
+
+def test_the_wire_request_carries_the_first_arrival() -> None:
+    """arrival_unix_ms orders the prefill worker's queue (ms since the epoch; 0 = on receipt)."""
+    m = pb.PrefillRequest(
+        request_id="r~1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=rpc.sampling_to_proto(SAMPLING),
+        target=pb.KVTarget(transfer_id=1, kv_endpoint="127.0.0.1:1"),
+        arrival_unix_ms=1_700_000_000_250,
+    )
+    assert request_from_proto(m).arrival_time == 1_700_000_000.25
+    m.arrival_unix_ms = 0
+    assert request_from_proto(m).arrival_time is None

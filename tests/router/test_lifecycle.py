@@ -137,6 +137,9 @@ async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
         assert second.request_id == "req-1~1" and second.num_output_tokens == 3
         assert list(second.prompt_token_ids) == PROMPT + expected(PROMPT, 3)
         assert c.prefills[0].requests[1].num_output_tokens == 3
+        # the re-prefill keeps the sequence's first arrival: its place in the prefill queue
+        first_p, second_p = c.prefills[0].requests
+        assert second_p.arrival_unix_ms == first_p.arrival_unix_ms > 0
         assert RequestState.MIGRATING in lc.state_times
     finally:
         await c.close()
@@ -213,6 +216,24 @@ async def test_failed_prefill_is_retried_and_releases_the_reservation() -> None:
         await drain_background()
         assert "req-1" in c.decodes[0].aborted  # the first reservation was given back
         assert len(c.decodes[0].requests) == 2
+    finally:
+        await c.close()
+
+
+async def test_a_kv_handoff_failure_re_places_away_from_the_decode_worker() -> None:
+    """ABORTED from a prefill worker: the prompt was computed but its KV did not reach the
+    decode worker. The sequence goes to another decode worker, and the prefill worker, which
+    did its part, is neither counted as failing nor passed over (no local-prefill fallback)."""
+    aborted = {"fail_budget": 1, "fail_code": grpc.StatusCode.ABORTED}
+    c = await start_fake_cluster(prefills=[aborted], decodes=[{}, {}])
+    try:
+        lc = make(c, max_tokens=4)
+        assert await collect(lc) == expected(PROMPT, 4)
+        assert lc.num_prefill_failures == 1 and lc.num_local_prefills == 0
+        assert len(c.prefills[0].requests) == 2  # the same prefill worker, again
+        prefill = c.pool.get("prefill-0")
+        assert prefill is not None and prefill.healthy and prefill.failures == 0
+        assert [len(d.requests) for d in c.decodes] == [1, 1]  # decode-0, then decode-1
     finally:
         await c.close()
 
