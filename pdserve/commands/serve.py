@@ -285,8 +285,9 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         lines.insert(
             1,
             f"  conditional disaggregation: prompts of <= {s.max_local_prefill_length} tokens are "
-            f"prefilled on their decode worker while the prefill workers have >= "
-            f"{s.min_prefill_queue_tokens} tokens queued (--max-local-prefill-length 0: off)",
+            f"prefilled on their decode worker while they would wait behind >= "
+            f"{s.min_prefill_queue_tokens} tokens on every prefill worker "
+            "(--max-local-prefill-length 0: off)",
         )
     for line in lines:
         say(line)

@@ -119,8 +119,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         "--min-prefill-queue-tokens",
         type=int,
         default=ServeConfig.min_prefill_queue_tokens,
-        help="the backlog (prompt tokens queued on every prefill worker) at which "
-        "--max-local-prefill-length applies",
+        help="the backlog at which --max-local-prefill-length applies: prompt tokens the prompt "
+        "would wait behind on every prefill worker (for a prompt the prefill scheduler classes "
+        "short, only the short prompts queued there; else the whole queue)",
     )
 
 
