@@ -13,8 +13,9 @@ Policy (short prompts never wait for whole long prompts; long prompts always pro
 * One walk in admission/arrival order: running (admitted) requests first, then the waiting
   queue, which is kept in order of each sequence's first arrival at its router
   (``PrefillRequest.arrival_time``), so a sequence re-placed after a preemption, a lost decode
-  worker or a failed prefill keeps its place ahead of requests that came after it. A short request takes its whole remainder while budget lasts (a remainder the budget
-  cuts continues in the next step that runs short prompts, ahead of later ones). Long requests
+  worker or a failed prefill keeps its place ahead of requests that came after it. A short
+  request takes its whole remainder while budget lasts (a remainder the budget cuts continues
+  in the next step that runs short prompts, ahead of later ones). Long requests
   **share at most S = min(T, B) tokens per step** between them, the earliest first, and get no
   more even when the rest of the budget is unused, with one exception: a long prompt whose
   remainder fits the step's budget and is at most a quarter over the share left takes it whole

@@ -6,7 +6,8 @@ milliseconds and the KV transfer record. A refused request ends the RPC with a s
 INVALID_ARGUMENT (empty prompt, prompt over the model limit, sampling values out of range, no KV
 target), RESOURCE_EXHAUSTED, ALREADY_EXISTS, ABORTED (the prompt was computed but its KV could
 not reach the decode worker: retry the sequence elsewhere), UNAVAILABLE (shutting down),
-DEADLINE_EXCEEDED, CANCELLED (aborted). When the caller cancels the RPC the request is aborted, freeing its blocks.
+DEADLINE_EXCEEDED, CANCELLED (aborted). When the caller cancels the RPC the request is aborted,
+freeing its blocks.
 """
 
 from __future__ import annotations

@@ -434,8 +434,11 @@ class RequestLifecycle:
     async def _prefill(self, attempt: DecodeAttempt) -> tuple[SampledToken | None, bool]:
         """Prefill on the best prefill worker with ``attempt`` as KV target.
 
-        Returns (token 1, whether its KV reached D), or (None, False) to go round again. On failure the decode reservation is released and the state goes back to QUEUED (or
-        MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure.
+        Returns (token 1, whether its KV reached D), or (None, False) to go round again. On
+        failure the decode reservation is released and the state goes back to QUEUED (or
+        MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure. ABORTED (the
+        KV did not reach D) re-places the sequence away from D without blaming the prefill
+        worker.
         """
         assert attempt.accepted is not None
         ranking = self.policy.rank(self._prefill_loads(), self._affinity_hashes())

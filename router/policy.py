@@ -114,11 +114,11 @@ def prefill_locally(
     would wait behind at least ``min_prefill_queue_tokens`` prompt tokens on every prefill
     worker in ``prefill`` (:meth:`PrefillLoad.backlog`: a short prompt counts only the short
     prompts queued, which the prefill scheduler serves ahead of long prompts' chunks), and on
-    some decode worker the local prefills in flight,
-    this prompt included, stay within ``max_local_prefill_length`` tokens: the gate that bounds
-    the prefill work a decode worker takes on beside its batch by tokens, so a burst of short
-    prompts can go local together while one prompt of the maximum length goes alone. False with
-    no prefill worker: the caller falls back to local prefill for that reason, not this one.
+    some decode worker the local prefills in flight, this prompt included, stay within
+    ``max_local_prefill_length`` tokens: the gate that bounds the prefill work a decode worker
+    takes on beside its batch by tokens, so a burst of short prompts can go local together
+    while one prompt of the maximum length goes alone. False with no prefill worker: the
+    caller falls back to local prefill for that reason, not this one.
     (NVIDIA Dynamo's conditional disaggregation gates on the prompt length and the prefill
     queue; the in-flight token bound is pdserve's, for decode workers that share a CPU.)
     """
