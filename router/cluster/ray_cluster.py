@@ -242,8 +242,16 @@ class RayCluster:
             f"launching {self.spec.num_prefill_workers} prefill + {self.spec.num_decode_workers} "
             f"decode workers ({self._cpus:g} CPU, {self._gpus:g} GPU each); loading the model..."
         )
-        await self._launch("prefill", self.spec.num_prefill_workers)
-        await self._launch("decode", self.spec.num_decode_workers)
+        # both roles at once: each worker loads (and warms up) its model on its own CPUs, so
+        # starting the decode workers after the prefill workers only added their start times
+        results = await asyncio.gather(
+            self._launch("prefill", self.spec.num_prefill_workers),
+            self._launch("decode", self.spec.num_decode_workers),
+            return_exceptions=True,
+        )
+        for r in results:  # every launch has settled: stop() then finds no worker mid-start
+            if isinstance(r, BaseException):
+                raise r
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
 
     async def stop(self) -> None:

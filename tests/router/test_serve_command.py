@@ -247,7 +247,9 @@ def test_ready_lines_say_when_conditional_disaggregation_is_on(
     serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu")), False)
     out = capsys.readouterr().out
     assert out.startswith("[pdserve] ready: model")
-    assert "prompts of <= 512 tokens" in out and ">= 512 tokens queued" in out
+    assert (
+        "prompts of <= 512 tokens" in out and "behind >= 512 tokens on every prefill worker" in out
+    )
     assert "--max-local-prefill-length 0: off" in out
     for extra in (["--max-local-prefill-length", "0"], ["--mode", "unified"]):
         serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu", *extra)), False)
