@@ -46,7 +46,8 @@ The bounds (given KV room and ``max_num_seqs``):
   ``2 * ceil((A + r) / B)`` steps after the step in progress when it arrived, and within
   ``ceil((A + r) / (B - L))`` when ``L < B``, however many long prompts are queued. (A waiting
   request's class is decided at admission: one that arrived earlier and turns short through a
-  new prefix-cache hit counts in ``A``.)
+  new prefix-cache hit counts in ``A``, as does a re-placed sequence that first arrived before
+  it, even when it is queued later.)
 * Long prompts (no starvation): they are served in admission order at up to S tokens per step
   (their final chunk up to L), so once every request admitted before it is done, a long prompt
   gains at least ``min(S, remaining)`` tokens in every step that follows a step without long
@@ -79,7 +80,7 @@ class PrefillSeq(EngineSeq[PrefillRequest]):
     """A prefill's progress (see EngineSeq). Times are ``time.monotonic()`` seconds."""
 
     arrival: float = field(default_factory=time.monotonic)
-    queue_key: float = 0.0  # time.time() order in the waiting queue (PrefillRequest.arrival_time)
+    queue_key: float = 0.0  # monotonic order in the waiting queue (PrefillRequest.arrival_time)
     state: PrefillState = PrefillState.WAITING
     first_scheduled: float | None = None
     is_long: bool = False  # its class, decided at admission (see the module docstring)
@@ -178,8 +179,9 @@ class PrefillScheduler:
         if seq.request_id in self._by_id:
             raise ValueError(f"request {seq.request_id!r} is already queued")
         seq.state = PrefillState.WAITING
+        now = time.monotonic()
         arrival = seq.request.arrival_time
-        seq.queue_key = time.time() if arrival is None else arrival
+        seq.queue_key = now if arrival is None else min(arrival, now)
         at = len(self._waiting)
         while at > 0 and self._waiting[at - 1].queue_key > seq.queue_key:
             at -= 1

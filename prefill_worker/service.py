@@ -61,7 +61,7 @@ def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
         ),
         num_output_tokens=m.num_output_tokens,
         deadline=wire_deadline(m.deadline_unix_ms, time.time()),
-        arrival_time=m.arrival_unix_ms / 1000.0 if m.arrival_unix_ms > 0 else None,
+        arrival_time=time.monotonic() - m.age_ms / 1000.0 if m.age_ms > 0 else None,
     )
 
 

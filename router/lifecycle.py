@@ -145,7 +145,7 @@ class RequestLifecycle:
         self.num_local_prefills = 0  # prefills done by the decode worker itself (no KV transfer)
         self.num_prefill_failures = 0
         self.state_times: dict[RequestState, float] = {S.QUEUED: time.monotonic()}
-        self._arrival_unix_ms = int(time.time() * 1000)  # its place in prefill workers' queues
+        self._arrival = time.monotonic()  # its place in prefill workers' queues (age_ms)
         self.first_token_time: float | None = None
         # prompt tokens 1..n-1 with their logprobs, once a worker reported them (when asked)
         self.prompt_logprobs: tuple[SampledToken, ...] | None = None
@@ -157,6 +157,7 @@ class RequestLifecycle:
         # prefill workers that failed this sequence as if down (WORKER_DOWN): never tried again
         # for it, since the pool may still call them healthy (see _prefill_loads)
         self._down_prefill: set[str] = set()
+        self._aborted_on: set[str] = set()  # prefill workers whose KV handoff failed (ABORTED)
         self._left_decode: set[str] = set()  # decode workers that preempted or lost this sequence
 
     # -- state ------------------------------------------------------------------------------
@@ -436,9 +437,10 @@ class RequestLifecycle:
 
         Returns (token 1, whether its KV reached D), or (None, False) to go round again. On
         failure the decode reservation is released and the state goes back to QUEUED (or
-        MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure. ABORTED (the
-        KV did not reach D) re-places the sequence away from D without blaming the prefill
-        worker.
+        MIGRATING); after ``max_prefill_attempts`` failures raises WorkerFailure. A first ABORTED
+        from a prefill worker (the KV did not reach D) re-places the sequence away from D and
+        keeps that prefill worker first (its prefix cache holds the prompt now); a second one
+        from the same worker counts as that worker being down (its KV path is what fails).
         """
         assert attempt.accepted is not None
         ranking = self.policy.rank(self._prefill_loads(), self._affinity_hashes())
@@ -462,12 +464,12 @@ class RequestLifecycle:
             ),
             num_output_tokens=len(self.output),
             deadline_unix_ms=self._deadline_unix_ms(),
-            arrival_unix_ms=self._arrival_unix_ms,
+            age_ms=int((time.monotonic() - self._arrival) * 1000),
         )
+        timeout = min(self._remaining(), self.config.prefill_timeout_s)  # may raise: before reserve
         self.pool.reserve(worker, tokens=len(tokens))
         self._prefill_holder = (worker, attempt.attempt_id)
         self.trace.prefill_started(worker.worker_id, attempt.attempt_id, len(tokens))
-        timeout = min(self._remaining(), self.config.prefill_timeout_s)
         call = asyncio.ensure_future(worker.client.prefill(req, timeout))
         try:
             lost = await self._decode_lost_first(call, attempt)
@@ -537,15 +539,19 @@ class RequestLifecycle:
         _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
-        if code is grpc.StatusCode.ABORTED:
+        handoff = code is grpc.StatusCode.ABORTED and worker.worker_id not in self._aborted_on
+        if handoff:
             # computed, but the KV did not reach D (gone, or it gave the reservation up): the
-            # next placement avoids D; nothing says this prefill worker is down
+            # next placement avoids D, and this prefill worker, whose cache now holds the
+            # prompt, stays first; a second ABORTED from it falls through to "down" below
+            self._aborted_on.add(worker.worker_id)
             self._left_decode.add(attempt.worker.worker_id)
-        elif code in WORKER_DOWN:
+        elif code in WORKER_DOWN or code is grpc.StatusCode.ABORTED:
             self.pool.report_failure(worker.worker_id, slow=code in WORKER_SLOW)
             self._down_prefill.add(worker.worker_id)
         self.num_prefill_failures += 1
-        self._failed_prefill.add(worker.worker_id)
+        if not handoff:
+            self._failed_prefill.add(worker.worker_id)
         log.warning(
             "%s: prefill on %s failed (%s: %s), attempt %d/%d",
             attempt.attempt_id, worker.worker_id, code.name, details,

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 from pdserve.v1.common_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"n\n\x0eTransferRecord\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"N\n\x08KVTarget\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xe0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x17\n\x0f\x61rrival_unix_ms\x18\x07 \x01(\x03\"\x81\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferRecord\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x03\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_prefills\x18\n \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x0b \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0c \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\r \x01(\x01\x12\x12\n\nbatch_size\x18\x0e \x01(\x01\x12\x1e\n\x16prompt_tokens_computed\x18\x0f \x01(\x04\x12$\n\x1clong_prefill_token_threshold\x18\x10 \x01(\x05\x12\x1f\n\x17num_queued_short_tokens\x18\x11 \x01(\x03\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x14\n\x0ckv_timeout_s\x18\x07 \x01(\x01\"\x82\x01\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"e\n\x06Tokens\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"5\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\"5\n\tPreempted\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\nErrorEvent\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12*\n\tpreempted\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.PreemptedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.ErrorEventH\x00\x42\x07\n\x05\x65vent\"\xe2\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0b \x01(\t\x12\x12\n\nbatch_size\x18\x0c \x01(\x01\x12\x19\n\x11generation_tokens\x18\r \x01(\x04\x12\x1f\n\x17transfer_bytes_received\x18\x0e \x01(\x04\x32\xd2\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12>\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStats2\xcc\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsP\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"n\n\x0eTransferRecord\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"N\n\x08KVTarget\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xd7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x0e\n\x06\x61ge_ms\x18\x07 \x01(\x03\"\x81\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferRecord\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x03\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_prefills\x18\n \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x0b \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0c \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\r \x01(\x01\x12\x12\n\nbatch_size\x18\x0e \x01(\x01\x12\x1e\n\x16prompt_tokens_computed\x18\x0f \x01(\x04\x12$\n\x1clong_prefill_token_threshold\x18\x10 \x01(\x05\x12\x1f\n\x17num_queued_short_tokens\x18\x11 \x01(\x03\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x14\n\x0ckv_timeout_s\x18\x07 \x01(\x01\"\x82\x01\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"e\n\x06Tokens\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"5\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\"5\n\tPreempted\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\nErrorEvent\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12*\n\tpreempted\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.PreemptedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.ErrorEventH\x00\x42\x07\n\x05\x65vent\"\xe2\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0b \x01(\t\x12\x12\n\nbatch_size\x18\x0c \x01(\x01\x12\x19\n\x11generation_tokens\x18\r \x01(\x04\x12\x1f\n\x17transfer_bytes_received\x18\x0e \x01(\x04\x32\xd2\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12>\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStats2\xcc\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsP\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTARGET']._serialized_start=176
   _globals['_KVTARGET']._serialized_end=254
   _globals['_PREFILLREQUEST']._serialized_start=257
-  _globals['_PREFILLREQUEST']._serialized_end=481
-  _globals['_PREFILLRESPONSE']._serialized_start=484
-  _globals['_PREFILLRESPONSE']._serialized_end=741
-  _globals['_ABORTREQUEST']._serialized_start=743
-  _globals['_ABORTREQUEST']._serialized_end=777
-  _globals['_ABORTRESPONSE']._serialized_start=779
-  _globals['_ABORTRESPONSE']._serialized_end=809
-  _globals['_STATSREQUEST']._serialized_start=811
-  _globals['_STATSREQUEST']._serialized_end=825
-  _globals['_PREFILLSTATS']._serialized_start=828
-  _globals['_PREFILLSTATS']._serialized_end=1283
-  _globals['_DECODEREQUEST']._serialized_start=1286
-  _globals['_DECODEREQUEST']._serialized_end=1493
-  _globals['_ACCEPTED']._serialized_start=1496
-  _globals['_ACCEPTED']._serialized_end=1626
-  _globals['_TOKENS']._serialized_start=1628
-  _globals['_TOKENS']._serialized_end=1729
-  _globals['_FINISHED']._serialized_start=1731
-  _globals['_FINISHED']._serialized_end=1784
-  _globals['_PREEMPTED']._serialized_start=1786
-  _globals['_PREEMPTED']._serialized_end=1839
-  _globals['_ERROREVENT']._serialized_start=1841
-  _globals['_ERROREVENT']._serialized_end=1884
-  _globals['_DECODEEVENT']._serialized_start=1887
-  _globals['_DECODEEVENT']._serialized_end=2116
-  _globals['_DECODESTATS']._serialized_start=2119
-  _globals['_DECODESTATS']._serialized_end=2473
-  _globals['_PREFILLSERVICE']._serialized_start=2476
-  _globals['_PREFILLSERVICE']._serialized_end=2686
-  _globals['_DECODESERVICE']._serialized_start=2689
-  _globals['_DECODESERVICE']._serialized_end=2893
+  _globals['_PREFILLREQUEST']._serialized_end=472
+  _globals['_PREFILLRESPONSE']._serialized_start=475
+  _globals['_PREFILLRESPONSE']._serialized_end=732
+  _globals['_ABORTREQUEST']._serialized_start=734
+  _globals['_ABORTREQUEST']._serialized_end=768
+  _globals['_ABORTRESPONSE']._serialized_start=770
+  _globals['_ABORTRESPONSE']._serialized_end=800
+  _globals['_STATSREQUEST']._serialized_start=802
+  _globals['_STATSREQUEST']._serialized_end=816
+  _globals['_PREFILLSTATS']._serialized_start=819
+  _globals['_PREFILLSTATS']._serialized_end=1274
+  _globals['_DECODEREQUEST']._serialized_start=1277
+  _globals['_DECODEREQUEST']._serialized_end=1484
+  _globals['_ACCEPTED']._serialized_start=1487
+  _globals['_ACCEPTED']._serialized_end=1617
+  _globals['_TOKENS']._serialized_start=1619
+  _globals['_TOKENS']._serialized_end=1720
+  _globals['_FINISHED']._serialized_start=1722
+  _globals['_FINISHED']._serialized_end=1775
+  _globals['_PREEMPTED']._serialized_start=1777
+  _globals['_PREEMPTED']._serialized_end=1830
+  _globals['_ERROREVENT']._serialized_start=1832
+  _globals['_ERROREVENT']._serialized_end=1875
+  _globals['_DECODEEVENT']._serialized_start=1878
+  _globals['_DECODEEVENT']._serialized_end=2107
+  _globals['_DECODESTATS']._serialized_start=2110
+  _globals['_DECODESTATS']._serialized_end=2464
+  _globals['_PREFILLSERVICE']._serialized_start=2467
+  _globals['_PREFILLSERVICE']._serialized_end=2677
+  _globals['_DECODESERVICE']._serialized_start=2680
+  _globals['_DECODESERVICE']._serialized_end=2884
 # @@protoc_insertion_point(module_scope)

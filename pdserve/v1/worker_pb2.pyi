@@ -37,22 +37,22 @@ class KVTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "num_output_tokens", "deadline_unix_ms", "arrival_unix_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "num_output_tokens", "deadline_unix_ms", "age_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     target: KVTarget
     num_output_tokens: int
     deadline_unix_ms: int
-    arrival_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ...) -> None: ...
+    age_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., age_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer", "prompt_logprobs")

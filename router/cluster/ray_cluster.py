@@ -244,14 +244,22 @@ class RayCluster:
         )
         # both roles at once: each worker loads (and warms up) its model on its own CPUs, so
         # starting the decode workers after the prefill workers only added their start times
-        results = await asyncio.gather(
-            self._launch("prefill", self.spec.num_prefill_workers),
-            self._launch("decode", self.spec.num_decode_workers),
-            return_exceptions=True,
-        )
-        for r in results:  # every launch has settled: stop() then finds no worker mid-start
-            if isinstance(r, BaseException):
-                raise r
+        launches = [
+            asyncio.ensure_future(self._launch(role, n))
+            for role, n in (
+                ("prefill", self.spec.num_prefill_workers),
+                ("decode", self.spec.num_decode_workers),
+            )
+        ]
+        done, pending = await asyncio.wait(launches, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:  # one role failed: do not wait out the other's start timeout
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        errors = [t.exception() for t in done if t.exception() is not None]
+        for extra in errors[1:]:
+            log.error("another worker launch failed too: %s", extra)
+        if errors:
+            raise errors[0]  # type: ignore[misc]
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
 
     async def stop(self) -> None:

@@ -329,7 +329,8 @@ def test_duplicate_id_is_refused() -> None:
 
 def test_waiting_queue_is_in_first_arrival_order() -> None:
     """A re-placed sequence (preempted, its decode worker lost) carries its first arrival and
-    goes ahead of the requests that came after it; a request without one arrives now."""
+    goes ahead of the requests that came after it; a request without one arrives now, and one
+    stamped in the future counts as arriving now."""
     s = _sched(batched=64, max_seqs=1)
     _add(s, "a", 40)  # no arrival_time: now
     _add(s, "b", 40, base=1000)
@@ -337,13 +338,16 @@ def test_waiting_queue_is_in_first_arrival_order() -> None:
         "old~1",
         tuple(range(2000, 2040)),
         SamplingParams(temperature=0),
-        arrival_time=time.time() - 30.0,
+        arrival_time=time.monotonic() - 30.0,
     )
     s.add(PrefillSeq(req))
     later = PrefillRequest(
-        "c", tuple(range(3000, 3040)), SamplingParams(temperature=0), arrival_time=time.time() + 5
+        "c",
+        tuple(range(3000, 3040)),
+        SamplingParams(temperature=0),
+        arrival_time=time.monotonic() + 5,
     )
     s.add(PrefillSeq(later))
-    _add(s, "d", 40, base=4000)  # now: before c, whose router stamped a later time
+    _add(s, "d", 40, base=4000)  # now: after c, whose future stamp was capped at its arrival
     order = [next(iter(_step(s))) for _ in range(5)]
-    assert order == ["old~1", "a", "b", "d", "c"]
+    assert order == ["old~1", "a", "b", "c", "d"]

@@ -210,14 +210,16 @@ async def test_cancelled_rpc_aborts_the_request_and_frees_its_blocks() -> None:
 
 
 def test_the_wire_request_carries_the_first_arrival() -> None:
-    """arrival_unix_ms orders the prefill worker's queue (ms since the epoch; 0 = on receipt)."""
+    """age_ms orders the prefill worker's queue: the sequence's first arrival at its router, as an
+    age so that no two hosts' clocks are compared (0 = it arrives now)."""
     m = pb.PrefillRequest(
         request_id="r~1",
         prompt_token_ids=[1, 2, 3],
         sampling=rpc.sampling_to_proto(SAMPLING),
         target=pb.KVTarget(transfer_id=1, kv_endpoint="127.0.0.1:1"),
-        arrival_unix_ms=1_700_000_000_250,
+        age_ms=2500,
     )
-    assert request_from_proto(m).arrival_time == 1_700_000_000.25
-    m.arrival_unix_ms = 0
+    arrival = request_from_proto(m).arrival_time
+    assert arrival is not None and 2.5 <= time.monotonic() - arrival < 3.5
+    m.age_ms = 0
     assert request_from_proto(m).arrival_time is None

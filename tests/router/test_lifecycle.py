@@ -139,7 +139,7 @@ async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
         assert c.prefills[0].requests[1].num_output_tokens == 3
         # the re-prefill keeps the sequence's first arrival: its place in the prefill queue
         first_p, second_p = c.prefills[0].requests
-        assert second_p.arrival_unix_ms == first_p.arrival_unix_ms > 0
+        assert second_p.age_ms >= first_p.age_ms >= 0  # its age since arrival, not since now
         assert RequestState.MIGRATING in lc.state_times
     finally:
         await c.close()
@@ -234,6 +234,36 @@ async def test_a_kv_handoff_failure_re_places_away_from_the_decode_worker() -> N
         prefill = c.pool.get("prefill-0")
         assert prefill is not None and prefill.healthy and prefill.failures == 0
         assert [len(d.requests) for d in c.decodes] == [1, 1]  # decode-0, then decode-1
+    finally:
+        await c.close()
+
+
+async def test_a_kv_handoff_failure_keeps_the_prefill_worker_that_cached_the_prompt() -> None:
+    """With two prefill workers, the retry after ABORTED goes back to the one that computed the
+    prompt (its prefix cache holds it); a second ABORTED from it counts it as down, and the
+    sequence moves on."""
+    aborted = {"fail_budget": 2, "fail_code": grpc.StatusCode.ABORTED}
+    c = await start_fake_cluster(prefills=[aborted, {}], decodes=[{}, {}])
+    try:
+        lc = make(c, max_tokens=4, prompt=[5, 6, 7])  # shorter than a block: the tie -> prefill-0
+        assert await collect(lc) == expected([5, 6, 7], 4)
+        assert lc.num_prefill_failures == 2
+        assert [len(p.requests) for p in c.prefills] == [2, 1]  # again on prefill-0, then moved
+        first = c.pool.get("prefill-0")
+        assert first is not None and first.failures == 1  # the second ABORTED counted
+    finally:
+        await c.close()
+
+
+async def test_repeated_kv_handoff_failures_fall_back_to_local_prefill() -> None:
+    """One prefill worker whose KV never reaches any decode worker (its transport is broken):
+    the second ABORTED marks it down for the sequence, which is then prefilled locally."""
+    broken = {"fail_budget": 100, "fail_code": grpc.StatusCode.ABORTED}
+    c = await start_fake_cluster(prefills=[broken])
+    try:
+        lc = make(c, max_tokens=4)
+        assert await collect(lc) == expected(PROMPT, 4)
+        assert lc.num_prefill_failures == 2 and lc.num_local_prefills == 1
     finally:
         await c.close()
 
