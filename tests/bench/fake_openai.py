@@ -22,6 +22,7 @@ the model ``fake-model``; ``GET /health`` answers 200. PORT (default 0) picks th
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import threading
@@ -149,6 +150,9 @@ class Server(ThreadingHTTPServer):
 
 
 def main() -> None:
+    # Ctrl-C ends it even when started from a shell that ignores SIGINT in background jobs
+    # (a child inherits that, and Python then installs no KeyboardInterrupt handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(sys.argv[1]) as f:
         SCRIPT.update(json.load(f))
     port = int(sys.argv[2]) if len(sys.argv) > 2 else 0
