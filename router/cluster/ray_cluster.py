@@ -251,10 +251,12 @@ class RayCluster:
                 ("decode", self.spec.num_decode_workers),
             )
         ]
-        done, pending = await asyncio.wait(launches, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:  # one role failed: do not wait out the other's start timeout
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait(launches, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # one role failed, or startup was cancelled: stop the other launch too
+            for task in launches:
+                task.cancel()
+            await asyncio.gather(*launches, return_exceptions=True)
         errors = [t.exception() for t in done if t.exception() is not None]
         for extra in errors[1:]:
             log.error("another worker launch failed too: %s", extra)

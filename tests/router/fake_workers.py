@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -421,11 +422,36 @@ class SlowStartWorkerActor(FakeWorkerActor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.starts = 0
+        self.started_at = 0.0
 
     async def start(self) -> WorkerInfo:
         self.starts += 1
+        self.started_at = time.time()
         await asyncio.sleep(self.START_S)
         return await super().start()
 
     async def num_starts(self) -> int:
         return self.starts
+
+    async def start_time(self) -> float:
+        """``time.time()`` when ``start()`` was last entered."""
+        return self.started_at
+
+
+class SlowerStartWorkerActor(SlowStartWorkerActor):
+    """A SlowStartWorkerActor that takes five seconds to start."""
+
+    START_S = 5.0
+
+
+class LoadingForeverWorkerActor(SlowStartWorkerActor):
+    """A SlowStartWorkerActor that takes five minutes to start."""
+
+    START_S = 300.0
+
+
+class FailingStartWorkerActor(FakeWorkerActor):
+    """A FakeWorkerActor whose ``start()`` fails at once, as a worker that cannot load its model."""
+
+    async def start(self) -> WorkerInfo:
+        raise RuntimeError(f"{self.worker_id}: cannot load the model")

@@ -13,7 +13,13 @@ from typing import Any
 import fake_workers
 import pytest
 import ray
-from fake_workers import FakeWorkerActor, SlowStartWorkerActor
+from fake_workers import (
+    FailingStartWorkerActor,
+    FakeWorkerActor,
+    LoadingForeverWorkerActor,
+    SlowerStartWorkerActor,
+    SlowStartWorkerActor,
+)
 
 from pdserve.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
@@ -237,6 +243,37 @@ async def test_scaling_a_role_whose_resource_no_node_offers_is_refused(local_ray
         assert row["resources"] == {} and "node_address" in row
     finally:
         await cluster.stop()
+
+
+async def test_both_roles_start_at_once_and_a_failed_role_stops_the_start(local_ray: str) -> None:
+    """The decode workers start while the prefill workers are still loading (each loads on its
+    own CPUs); a role that fails to start fails the start at once, without waiting for the
+    other role, whose workers the caller then stops."""
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": SlowerStartWorkerActor, "decode": SlowerStartWorkerActor}
+    cluster = RayCluster(spec(), pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    try:
+        prefill = await ray.get_actor("prefill-0", namespace="pdserve").start_time.remote()
+        decode = await ray.get_actor("decode-0", namespace="pdserve").start_time.remote()
+        # one after the other they would start >= 5 s apart; at once, within process spawn skew
+        assert abs(decode - prefill) < SlowerStartWorkerActor.START_S - 1.0
+    finally:
+        await cluster.stop()
+        await pool.close()
+
+    pool = WorkerPool(stats_interval_s=0.2)
+    classes = {"prefill": LoadingForeverWorkerActor, "decode": FailingStartWorkerActor}
+    cluster = RayCluster(spec(), pool, actor_classes=classes, progress=lambda _line: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="decode-0.*cannot load the model"):
+            await cluster.start()
+        assert time.monotonic() - t0 < 60.0  # not the prefill worker's 300 s start
+        assert pool.workers("prefill") == []  # its start was cancelled: never registered
+    finally:
+        await cluster.stop()
+        await pool.close()
 
 
 async def test_scaling_up_starts_a_loading_worker_once(local_ray: str) -> None:
