@@ -7,9 +7,10 @@ Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core
                 └─local, prefill thread─> PREFILLING ─prompt done─> WAITING    └─> preempted
 
 ``add_request`` reserves KV for the whole prompt at once, leaving an admission watermark free;
-``schedule`` admits waiting sequences FIFO up to ``max_num_seqs``, gives every decoding sequence
-one token (preempting the newest running sequence when no block is free), then prefill chunks of
-local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
+``schedule`` admits waiting sequences in arrival order (``queue_by_arrival``: when each first
+arrived at its router, so a re-placed sequence keeps its place) up to ``max_num_seqs``, gives
+every decoding sequence one token (preempting the newest running sequence when no block is
+free), then prefill chunks of local prefills (one chunk per step while decodes run); ``update_from_output`` appends the sampled
 tokens and applies the stop check. With ``prefill_thread`` (see DecodeEngine), local prompts skip
 the decode steps instead: ``schedule_prefill`` / ``update_prefill`` plan and apply the steps of
 the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
@@ -62,7 +63,7 @@ from pdserve.engine.errors import (
     EngineError,
 )
 from pdserve.engine.long_prompts import default_long_threshold, long_chunk
-from pdserve.engine.sequence import EngineSeq
+from pdserve.engine.sequence import EngineSeq, queue_by_arrival
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured.spec import StructuredOutputError
@@ -165,7 +166,8 @@ class DecodeScheduler:
             config.max_num_batched_tokens
         )
         self._last_prefill_had_long = False
-        self._prefilling: deque[DecodeSeq] = deque()  # local prompts of the prefill thread, FIFO
+        # local prompts of the prefill thread; both queues in arrival order (queue_by_arrival)
+        self._prefilling: deque[DecodeSeq] = deque()
         self._in_prefill: set[str] = set()  # keys of sequences in the prefill step being computed
         self._deferred_prefill_free: list[str] = []
         self._seqs: dict[str, DecodeSeq] = {}  # live attempts by request id
@@ -279,10 +281,10 @@ class DecodeScheduler:
             seq.num_computed = seq.num_cached = num_cached
             if self.prefill_thread:
                 seq.state = SeqState.PREFILLING
-                self._prefilling.append(seq)
+                queue_by_arrival(self._prefilling, seq)
             else:
                 seq.state = SeqState.WAITING
-                self._waiting.append(seq)
+                queue_by_arrival(self._waiting, seq)
         else:
             timeout = req.kv_timeout_s or self.default_kv_timeout_s
             seq.kv_deadline = self.clock() + timeout
@@ -320,7 +322,7 @@ class DecodeScheduler:
             self._finish(seq, reason)
             return True
         seq.state = SeqState.WAITING
-        self._waiting.append(seq)
+        queue_by_arrival(self._waiting, seq)
         return True
 
     def kv_failed(self, request_id: str, transfer_id: int, code: str, message: str) -> bool:
@@ -583,7 +585,7 @@ class DecodeScheduler:
             return
         self._prefilling.remove(seq)
         seq.state = SeqState.WAITING
-        self._waiting.append(seq)
+        queue_by_arrival(self._waiting, seq)
         self._sampled(seq, token)
 
     def _computed(

@@ -33,7 +33,7 @@ from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import EngineError
 from pdserve.engine.faults import abort_unless_dropped, delay_stats
-from pdserve.engine.request import wire_deadline
+from pdserve.engine.request import wire_arrival, wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -55,6 +55,7 @@ def request_from_proto(m: pb.DecodeRequest) -> DecodeRequest:
         prefill_locally=m.prefill_locally,
         deadline=wire_deadline(m.deadline_unix_ms, time.time()),
         kv_timeout_s=m.kv_timeout_s if m.kv_timeout_s > 0 else None,
+        arrival_time=wire_arrival(m.age_ms, time.monotonic()),
     )
 
 

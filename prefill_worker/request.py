@@ -48,16 +48,9 @@ class PrefillRequest(EngineRequest):
 
     ``target``: the decode worker to send the KV to; None keeps the KV here as prefix cache only
     (offline benchmarks, cache warm-up) and the result carries no transfer record.
-    ``arrival_time``: ``time.monotonic()`` seconds (this process's clock) when the sequence first
-    arrived at its router (the wire carries its age, so no two hosts' clocks are compared); the
-    waiting queue is kept in this order, so a sequence re-placed after a preemption, a lost
-    decode worker or a failed prefill keeps its place instead of queueing behind requests that
-    came after it (vLLM likewise puts a preempted request back at the head of its queue).
-    None = when the engine receives it.
     """
 
     target: KVTarget | None = None
-    arrival_time: float | None = None
 
 
 @dataclass(frozen=True)

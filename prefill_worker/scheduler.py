@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.engine.batch import SchedulerOutput
 from pdserve.engine.long_prompts import default_long_threshold, long_chunk
-from pdserve.engine.sequence import EngineSeq
+from pdserve.engine.sequence import EngineSeq, queue_by_arrival
 from pdserve.kv_cache.manager import KVCacheManager
 from pdserve.types import SampledToken
 from prefill_worker.request import PrefillRequest, PrefillState
@@ -80,7 +80,6 @@ class PrefillSeq(EngineSeq[PrefillRequest]):
     """A prefill's progress (see EngineSeq). Times are ``time.monotonic()`` seconds."""
 
     arrival: float = field(default_factory=time.monotonic)
-    queue_key: float = 0.0  # monotonic order in the waiting queue (PrefillRequest.arrival_time)
     state: PrefillState = PrefillState.WAITING
     first_scheduled: float | None = None
     is_long: bool = False  # its class, decided at admission (see the module docstring)
@@ -173,19 +172,13 @@ class PrefillScheduler:
 
     # ----------------------------------------------------------------------------- lifecycle
     def add(self, seq: PrefillSeq) -> None:
-        """Queue a request (validated by the engine) in arrival order: by its
-        ``arrival_time`` when it has one (a re-placed sequence keeps its place), else now.
+        """Queue a request (validated by the engine) in arrival order (``seq.queue_key``: its
+        request's ``arrival_time`` when it has one, so a re-placed sequence keeps its place).
         Raises ValueError for a duplicate id."""
         if seq.request_id in self._by_id:
             raise ValueError(f"request {seq.request_id!r} is already queued")
         seq.state = PrefillState.WAITING
-        now = time.monotonic()
-        arrival = seq.request.arrival_time
-        seq.queue_key = now if arrival is None else min(arrival, now)
-        at = len(self._waiting)
-        while at > 0 and self._waiting[at - 1].queue_key > seq.queue_key:
-            at -= 1
-        self._waiting.insert(at, seq)
+        queue_by_arrival(self._waiting, seq)
         self._by_id[seq.request_id] = seq
 
     def remove(self, request_id: str) -> PrefillSeq | None:

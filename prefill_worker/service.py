@@ -24,7 +24,7 @@ from pdserve import rpc
 from pdserve.engine.actor import serve_grpc
 from pdserve.engine.errors import INVALID_ARGUMENT, EngineError
 from pdserve.engine.faults import abort_unless_dropped, delay_stats
-from pdserve.engine.request import wire_deadline
+from pdserve.engine.request import wire_arrival, wire_deadline
 from pdserve.sampling_params import SamplingError
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -61,7 +61,7 @@ def request_from_proto(m: pb.PrefillRequest) -> PrefillRequest:
         ),
         num_output_tokens=m.num_output_tokens,
         deadline=wire_deadline(m.deadline_unix_ms, time.time()),
-        arrival_time=time.monotonic() - m.age_ms / 1000.0 if m.age_ms > 0 else None,
+        arrival_time=wire_arrival(m.age_ms, time.monotonic()),
     )
 
 

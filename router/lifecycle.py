@@ -185,6 +185,10 @@ class RequestLifecycle:
     def _deadline_unix_ms(self) -> int:
         return int((time.time() + (self.deadline - time.monotonic())) * 1000)
 
+    def _age_ms(self) -> int:
+        """Milliseconds since the sequence arrived here: its place in workers' queues."""
+        return int((time.monotonic() - self._arrival) * 1000)
+
     def _unified(self) -> bool:
         """Prefill on the decode worker: unified mode, or no prefill worker this sequence may use
         (none is up, or every one failed it as if down)."""
@@ -359,6 +363,7 @@ class RequestLifecycle:
             prefill_locally=local,
             deadline_unix_ms=self._deadline_unix_ms(),
             kv_timeout_s=self.config.kv_timeout_s or self.config.prefill_timeout_s + _KV_MARGIN_S,
+            age_ms=self._age_ms(),
         )
         timeout = min(self._remaining(), self.config.accept_timeout_s)
         attempt = DecodeAttempt(
@@ -464,7 +469,7 @@ class RequestLifecycle:
             ),
             num_output_tokens=len(self.output),
             deadline_unix_ms=self._deadline_unix_ms(),
-            age_ms=int((time.monotonic() - self._arrival) * 1000),
+            age_ms=self._age_ms(),
         )
         timeout = min(self._remaining(), self.config.prefill_timeout_s)  # may raise: before reserve
         self.pool.reserve(worker, tokens=len(tokens))

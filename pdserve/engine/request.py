@@ -26,13 +26,26 @@ def wire_deadline(deadline_unix_ms: int, now: float) -> float:
     return deadline_unix_ms / 1000.0 if deadline_unix_ms > 0 else now + DEFAULT_LEASE_S
 
 
+def wire_arrival(age_ms: int, now: float) -> float | None:
+    """The ``time.monotonic()`` arrival of a wire request whose sequence arrived at its router
+    ``age_ms`` milliseconds ago (``now``: this process's monotonic seconds); None when 0 (unset:
+    it arrives when the worker receives it). An age, not a timestamp, crosses the wire, so no two
+    hosts' clocks are compared."""
+    return now - age_ms / 1000.0 if age_ms > 0 else None
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """Fields every worker request has.
 
     ``prompt_token_ids``: the prompt, followed by ``num_output_tokens`` earlier output tokens on
     a resumed request. ``deadline``: absolute ``time.time()`` seconds after which the worker
-    drops the request and frees what it holds; None = none.
+    drops the request and frees what it holds; None = none. ``arrival_time``:
+    ``time.monotonic()`` seconds (this process's clock) when the sequence first arrived at its
+    router (:func:`wire_arrival`); a worker keeps its queues in this order, so a sequence
+    re-placed after a preemption, a lost worker or a failed prefill keeps its place instead of
+    queueing behind requests that came after it (vLLM likewise puts a preempted request back at
+    the head of its queue); None = when the worker receives it.
     """
 
     request_id: str
@@ -40,6 +53,7 @@ class EngineRequest:
     sampling: SamplingParams
     num_output_tokens: int = 0
     deadline: float | None = None
+    arrival_time: float | None = None
 
     def validate(
         self,

@@ -3,12 +3,14 @@
 :class:`EngineSeq` holds the token ids (prompt, earlier outputs, tokens generated here), how many
 of them have KV in the pool, and the two operations both workers need: cutting the next
 :class:`~pdserve.engine.batch.ScheduledSeq` out of it, and appending a sampled token with the
-stop check (EOS, stop token ids, ``max_tokens``, ``max_model_len``).
+stop check (EOS, stop token ids, ``max_tokens``, ``max_model_len``). :func:`queue_by_arrival`
+keeps a worker's queues in the order its sequences first arrived at their router.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Collection, MutableSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -32,7 +34,9 @@ class EngineSeq(Generic[R]):
     prefix cache at admission. ``grammar``: the structured-output state when the request has
     ``sampling.structured``, already advanced over the earlier output in its prompt; the sampler
     masks by it and advances it over each token it samples (the decode worker also advances it
-    over token 1 received from the prefill worker).
+    over token 1 received from the prefill worker). ``queue_key``: its place in the worker's
+    queues (``time.monotonic()`` seconds): the request's ``arrival_time``, capped at when this
+    object was made (a stamp from the future would jump the queue), else that time.
     """
 
     request: R
@@ -42,8 +46,12 @@ class EngineSeq(Generic[R]):
     token_ids: list[int] = field(init=False)
     prompt_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False)
+    queue_key: float = field(init=False)
 
     def __post_init__(self) -> None:
+        now = time.monotonic()
+        arrival = self.request.arrival_time
+        self.queue_key = now if arrival is None else min(arrival, now)
         tokens = list(self.request.prompt_token_ids)
         split = len(tokens) - self.request.num_output_tokens
         self.token_ids = tokens
@@ -113,3 +121,16 @@ class EngineSeq(Generic[R]):
         if len(self.token_ids) >= max_model_len:
             return "length"
         return None
+
+
+S = TypeVar("S", bound=EngineSeq)  # type: ignore[type-arg]
+
+
+def queue_by_arrival(queue: MutableSequence[S], seq: S) -> None:
+    """Insert ``seq`` into ``queue``, which is kept in ``queue_key`` order (oldest first), after
+    every sequence with the same or an earlier key. Sequences that arrive now go to the back in
+    O(1); a re-placed one walks back past those that came after it."""
+    at = len(queue)
+    while at > 0 and queue[at - 1].queue_key > seq.queue_key:
+        at -= 1
+    queue.insert(at, seq)

@@ -129,7 +129,7 @@ class PrefillStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., num_queued_short_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "num_output_tokens", "sampling", "prefill_locally", "deadline_unix_ms", "kv_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "num_output_tokens", "sampling", "prefill_locally", "deadline_unix_ms", "kv_timeout_s", "age_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class DecodeRequest(_message.Message):
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_output_tokens: int
@@ -144,7 +145,8 @@ class DecodeRequest(_message.Message):
     prefill_locally: bool
     deadline_unix_ms: int
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    age_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ..., age_ms: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("transfer_id", "kv_endpoint", "decode_worker_id", "num_reserved_blocks", "cached_tokens")

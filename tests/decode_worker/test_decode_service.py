@@ -11,7 +11,7 @@ import pytest
 from decode_kit import prompt, tiny_engine
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.service import add_to_server
+from decode_worker.service import add_to_server, request_from_proto
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
@@ -26,6 +26,16 @@ def _req(rid: str, n: int, max_tokens: int, **kw: object) -> pb.DecodeRequest:
         prefill_locally=True,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def test_the_wire_request_carries_the_first_arrival() -> None:
+    """age_ms orders the decode worker's waiting and local-prefill queues, as it does the
+    prefill worker's: an age, so no two hosts' clocks are compared (0 = it arrives now)."""
+    m = _req("r~1", 4, 2, age_ms=2500)
+    arrival = request_from_proto(m).arrival_time
+    assert arrival is not None and 2.5 <= time.monotonic() - arrival < 3.5
+    m.age_ms = 0
+    assert request_from_proto(m).arrival_time is None
 
 
 @pytest.fixture

@@ -6,6 +6,9 @@ deterministic function of the scheduled tokens so every decision can be checked 
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 
 from decode_worker.request import (
@@ -235,14 +238,41 @@ def test_max_num_seqs_and_fifo_admission() -> None:
     s = make(max_num_seqs=2)
     for i, rid in enumerate("abc"):
         s.add_request(req(rid, 3, max_tokens=3), transfer_id=i)
-    for i, rid in zip((2, 0, 1), "cab", strict=True):
+    for i, rid in zip((2, 0), "ca", strict=True):
         s.kv_arrived(rid, i, SampledToken(5))
     plan = step(s)
-    assert [x.request_id for x in plan.scheduled] == ["c", "a"]  # KV arrival order
+    assert [x.request_id for x in plan.scheduled] == ["a", "c"]  # in arrival order, once ready
+    s.kv_arrived("b", 1, SampledToken(5))
     assert s.num_waiting == 1
-    step(s)  # c and a finish (3 outputs)
+    step(s)  # a and c finish (3 outputs)
     plan = step(s)
     assert [x.request_id for x in plan.scheduled] == ["b"]
+
+
+def test_a_replaced_sequence_keeps_its_place_in_both_queues() -> None:
+    """A sequence the router re-places (after a preemption or a lost worker) carries the time it
+    first arrived; it goes ahead of requests that arrived after it, for a batch slot and in the
+    prefill thread's queue, and a stamp from the future counts as now."""
+    s = make(max_num_seqs=1)
+    s.add_request(req("a", 3, max_tokens=3), transfer_id=1)
+    s.add_request(req("b", 3, max_tokens=3), transfer_id=2)
+    old = replace(req("old", 3, max_tokens=3), arrival_time=time.monotonic() - 5)
+    s.add_request(old, transfer_id=3)
+    for rid, tid in (("a", 1), ("b", 2), ("old", 3)):
+        s.kv_arrived(rid, tid, SampledToken(5))
+    admitted = []
+    while s.has_work():
+        admitted += [x.request_id for x in step(s).scheduled if x.request_id not in admitted]
+    assert admitted == ["old", "a", "b"]
+
+    s = make(num_blocks=32, max_model_len=128, prefill_thread=True, prefill_step_tokens=16)
+    s.add_request(req("p", 6, local=True, max_tokens=2))
+    s.add_request(replace(req("future", 6, local=True), arrival_time=time.monotonic() + 60))
+    s.add_request(req("q", 6, local=True, max_tokens=2))
+    s.add_request(replace(req("old", 6, local=True), arrival_time=time.monotonic() - 5))
+    plan = s.schedule_prefill()
+    assert [x.request_id for x in plan.scheduled] == ["old", "p", "future"]  # 16 tokens a step
+    s.check_integrity()
 
 
 def test_preempts_newest_when_out_of_blocks() -> None:

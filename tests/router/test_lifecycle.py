@@ -140,6 +140,7 @@ async def test_preemption_reprefills_prompt_plus_output_and_continues() -> None:
         # the re-prefill keeps the sequence's first arrival: its place in the prefill queue
         first_p, second_p = c.prefills[0].requests
         assert second_p.age_ms >= first_p.age_ms >= 0  # its age since arrival, not since now
+        assert second.age_ms >= first.age_ms >= 0  # and in the decode worker's queues
         assert RequestState.MIGRATING in lc.state_times
     finally:
         await c.close()
