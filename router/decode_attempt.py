@@ -60,7 +60,7 @@ class DecodeAttempt:
         self.open = True
         self.local_tokens = local_tokens  # still prefilling them on the decode worker
         self._ahead: asyncio.Task[Any] | None = None  # the next event, read in the background
-        pool.reserve(worker, blocks=blocks, local_prefill_tokens=local_tokens)
+        self._tick = pool.reserve(worker, blocks=blocks, local_prefill_tokens=local_tokens)
 
     def prefilled(self) -> None:
         """A local prefill produced its first token: the worker no longer counts it. Idempotent."""
@@ -75,7 +75,7 @@ class DecodeAttempt:
             return
         self.open = False
         self.prefilled()
-        self.pool.release(self.worker)
+        self.pool.release(self.worker, self._tick)
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None

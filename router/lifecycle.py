@@ -472,7 +472,7 @@ class RequestLifecycle:
             age_ms=self._age_ms(),
         )
         timeout = min(self._remaining(), self.config.prefill_timeout_s)  # may raise: before reserve
-        self.pool.reserve(worker, tokens=len(tokens))
+        tick = self.pool.reserve(worker, tokens=len(tokens))
         self._prefill_holder = (worker, attempt.attempt_id)
         self.trace.prefill_started(worker.worker_id, attempt.attempt_id, len(tokens))
         call = asyncio.ensure_future(worker.client.prefill(req, timeout))
@@ -493,7 +493,7 @@ class RequestLifecycle:
         finally:
             if not call.done():
                 call.cancel()  # the request ended, or D was lost: the prefill worker aborts it
-            self.pool.release(worker, tokens=len(tokens))
+            self.pool.release(worker, tick)
         self._prefill_holder = None
         self.transfers.append(resp.transfer)
         self.trace.prefill_done(worker.worker_id, resp, len(tokens))

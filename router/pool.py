@@ -21,9 +21,14 @@ marked unhealthy after about ``unresponsive_after_s`` plus ``unhealthy_after`` p
 streams fail. This is the liveness probe's usual split between a failed probe and a slow one
 (Kubernetes: ``timeoutSeconds`` x ``failureThreshold``).
 
-Between polls the router corrects stale stats with its own bookkeeping: requests it placed on a
-decode worker since the last report count as running and their blocks as used; prompt tokens it
-sent to a prefill worker count as queued until the Prefill call returns.
+Between polls the router corrects stale stats with its own bookkeeping, counting only what the
+last report cannot hold: every placement gets a number (a tick), each poll remembers the last
+tick placed before it was sent, and a placement counts on top of the report only when it came
+after that poll. Requests placed on a decode worker since then count as running and their blocks
+as used; prompts sent to a prefill worker since then count as queued (until the Prefill call
+returns). A placement the last report already holds is not counted twice. A prompt sent just
+before a poll that reaches the worker after it is in neither count until the next poll (at most
+``stats_interval_s`` late).
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,10 +68,12 @@ class WorkerState:
     failures: int = 0  # consecutive failed polls / RPCs
     added_at: float = field(default_factory=time.monotonic)  # when the pool learned of it
     inflight: int = 0  # requests the router has placed here and not finished
-    # prefill: prompts sent, Prefill not yet returned, as {prompt tokens: how many}
-    inflight_prompts: Counter[int] = field(default_factory=Counter)
-    new_blocks: int = 0  # decode: blocks reserved by the router since the last poll
-    new_running: int = 0  # decode: requests placed since the last poll
+    # the last placement tick (WorkerPool.reserve) sent before the poll that gave ``stats``
+    stats_tick: int = 0
+    # prefill: prompts sent, Prefill not yet returned, as {placement tick: prompt tokens}
+    inflight_prompts: dict[int, int] = field(default_factory=dict)
+    # decode: placements after ``stats_tick``, as (placement tick, KV blocks reserved)
+    new_placements: list[tuple[int, int]] = field(default_factory=list)
     local_prefill_tokens: int = 0  # decode: prompt tokens sent to be prefilled there, not yet done
 
     @property
@@ -104,6 +110,7 @@ class WorkerPool:
         self.unresponsive_after_s = unresponsive_after_s
         self.internal_token = internal_token
         self._workers: dict[str, WorkerState] = {}
+        self._tick = 0  # placements so far (reserve): orders them against polls
         self._changed = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         # dropped or replaced workers whose channels close once nothing is in flight on them
@@ -190,34 +197,34 @@ class WorkerPool:
         blocks: int = 0,
         tokens: int = 0,
         local_prefill_tokens: int = 0,
-    ) -> None:
-        """Count one request the router placed on ``worker`` until :meth:`release`.
+    ) -> int:
+        """Count one request the router placed on ``worker`` until :meth:`release`; returns its
+        placement tick, for :meth:`release`.
 
-        Decode: one more running sequence and ``blocks`` KV blocks, both until the next poll
-        reports them, and ``local_prefill_tokens`` prompt tokens it prefills itself until
-        :meth:`prefilled_locally`. Prefill: ``tokens`` prompt tokens queued until the Prefill
-        call returns.
+        Decode: one more running sequence and ``blocks`` KV blocks, both until a poll sent after
+        this placement reports them, and ``local_prefill_tokens`` prompt tokens it prefills
+        itself until :meth:`prefilled_locally`. Prefill: ``tokens`` prompt tokens queued until
+        such a poll reports them or the Prefill call returns (:meth:`release`), whichever comes
+        first (see the module docstring).
         """
+        self._tick += 1
         worker.inflight += 1
         if tokens:
-            worker.inflight_prompts[tokens] += 1
+            worker.inflight_prompts[self._tick] = tokens
         if worker.info.role == "decode":
-            worker.new_running += 1
-            worker.new_blocks += blocks
+            worker.new_placements.append((self._tick, blocks))
             worker.local_prefill_tokens += local_prefill_tokens
+        return self._tick
 
     def prefilled_locally(self, worker: WorkerState, tokens: int) -> None:
         """The local prefill of ``tokens`` prompt tokens counted by ``reserve`` is done (or
         gone)."""
         worker.local_prefill_tokens -= tokens
 
-    def release(self, worker: WorkerState, *, tokens: int = 0) -> None:
-        """The request counted by ``reserve(worker, tokens=tokens)`` left ``worker``."""
+    def release(self, worker: WorkerState, tick: int) -> None:
+        """The request that :meth:`reserve` counted under ``tick`` left ``worker``."""
         worker.inflight -= 1
-        if tokens:
-            worker.inflight_prompts[tokens] -= 1
-            if worker.inflight_prompts[tokens] <= 0:
-                del worker.inflight_prompts[tokens]
+        worker.inflight_prompts.pop(tick, None)
 
     # -- load snapshots for the policy -------------------------------------------------------
 
@@ -226,11 +233,13 @@ class WorkerPool:
         loads = []
         for w in self.workers("decode"):
             s = w.stats
+            new_blocks = sum(blocks for _, blocks in w.new_placements)
             if isinstance(s, pb.DecodeStats):
-                free = s.kv_blocks_free - w.new_blocks
-                running = s.num_running + s.num_waiting_for_kv + s.num_waiting + w.new_running
+                free = s.kv_blocks_free - new_blocks
+                running = s.num_running + s.num_waiting_for_kv + s.num_waiting
+                running += len(w.new_placements)
             else:  # never polled yet: assume the geometry it reported at start
-                free = w.info.num_blocks - w.new_blocks
+                free = w.info.num_blocks - new_blocks
                 running = w.inflight
             loads.append(
                 DecodeLoad(
@@ -243,14 +252,16 @@ class WorkerPool:
         return loads
 
     def prefill_loads(self) -> list[PrefillLoad]:
-        """Healthy prefill workers' queued prompt tokens (reported + router in flight), in all
-        and of the short class (prompts of at most the worker's reported long threshold)."""
+        """Healthy prefill workers' queued prompt tokens (as last reported, plus the prompts this
+        router sent since that report's poll), in all and of the short class (prompts of at most
+        the worker's reported long threshold)."""
         loads = []
         for w in self.workers("prefill"):
             s = w.stats if isinstance(w.stats, pb.PrefillStats) else pb.PrefillStats()
             threshold = s.long_prefill_token_threshold
-            inflight = sum(n * c for n, c in w.inflight_prompts.items())
-            short = sum(n * c for n, c in w.inflight_prompts.items() if n <= threshold)
+            unseen = [n for tick, n in w.inflight_prompts.items() if tick > w.stats_tick]
+            inflight = sum(unseen)
+            short = sum(n for n in unseen if n <= threshold)
             loads.append(
                 PrefillLoad(
                     w.worker_id,
@@ -285,6 +296,7 @@ class WorkerPool:
         """Poll every worker's GetStats once (concurrently) and update health."""
         await self._close_drained()
         states = list(self._workers.values())
+        sent = self._tick  # placements up to here reach the workers before this poll does
         results = await asyncio.gather(
             *(w.client.get_stats(timeout_s=max(1.0, 2 * self.stats_interval_s)) for w in states),
             return_exceptions=True,
@@ -300,9 +312,9 @@ class WorkerPool:
             _publish(w.worker_id, r)
             w.stats = r
             w.stats_at = time.monotonic()
+            w.stats_tick = sent
+            w.new_placements = [p for p in w.new_placements if p[0] > sent]
             w.failures = 0
-            w.new_blocks = 0
-            w.new_running = 0
             if not w.healthy:
                 w.healthy = True
                 log.info("worker %s healthy again", w.worker_id)

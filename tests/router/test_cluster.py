@@ -313,9 +313,10 @@ async def test_a_retired_worker_stops_once_its_requests_drained(local_ray: str) 
     pool.start()
     try:
         busy = {w: pool.get(w) for w in ("prefill-0", "prefill-1")}
-        for worker in busy.values():
+        ticks = {}
+        for name, worker in busy.items():
             assert worker is not None
-            pool.reserve(worker, tokens=100)  # a prefill in flight on each
+            ticks[name] = pool.reserve(worker, tokens=100)  # a prefill in flight on each
         t0 = time.monotonic()
         await cluster.scale("prefill", 0)
         assert pool.workers("prefill") == []
@@ -329,7 +330,7 @@ async def test_a_retired_worker_stops_once_its_requests_drained(local_ray: str) 
             assert await ray.get_actor(name, namespace="pdserve").ping.remote()
         assert {d["state"] for d in cluster.describe() if d["role"] == "prefill"} == {"retiring"}
 
-        pool.release(busy["prefill-0"], tokens=100)  # its prefill ended: it stops now
+        pool.release(busy["prefill-0"], ticks["prefill-0"])  # its prefill ended: it stops now
         await wait_for(lambda: "prefill-0" not in actors(), timeout_s=10.0)
         assert "prefill-1" in actors() and time.monotonic() - t0 < 4.0
         # prefill-1 never drains: stopped at drain_timeout_s, its request is re-placed

@@ -66,7 +66,8 @@ async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_
         assert len(c.prefills[0].requests) == 1 and lc.num_local_prefills == 0
         prefill, decode = c.pool.get("prefill-0"), c.pool.get("decode-0")
         assert prefill is not None and decode is not None
-        c.pool.reserve(prefill, tokens=1000)  # another request's prompt queued there
+        c.prefills[0].queue["num_queued_tokens"] = 1000  # another router's prompts queued there
+        await wait_until(lambda: prefill.stats and prefill.stats.num_queued_tokens == 1000)
         lc = make(c, max_tokens=6, request_id="req-2", **cfg)
         assert await collect(lc) == expected(PROMPT, 6)  # the same tokens, prefilled on D
         assert c.decodes[0].requests[-1].prefill_locally and lc.num_local_prefills == 1
@@ -111,15 +112,14 @@ async def test_conditional_disaggregation_counts_the_backlog_of_the_prompts_clas
         lc = make(c, max_tokens=3, request_id="req-2", prompt=longer, **cfg)
         assert await collect(lc) == expected(longer, 3)
         assert len(c.prefills[0].requests) == 1 and lc.num_local_prefills == 1
-        # short prompts queued there, as reported and as this router's own in flight
-        c.prefills[0].queue["num_queued_short_tokens"] = 1000 - 2 * len(PROMPT)
-        await wait_until(lambda: prefill.stats.num_queued_short_tokens == 1000 - 2 * len(PROMPT))
-        c.pool.reserve(prefill, tokens=len(PROMPT))  # short: counts
-        c.pool.reserve(prefill, tokens=len(longer))  # long: only in the whole queue
-        lc = make(c, max_tokens=3, request_id="req-3", **cfg)  # 920 + 40 short tokens ahead
+        # short prompts queued there
+        c.prefills[0].queue["num_queued_short_tokens"] = 1000 - 1
+        await wait_until(lambda: prefill.stats.num_queued_short_tokens == 1000 - 1)
+        lc = make(c, max_tokens=3, request_id="req-3", **cfg)  # 999 short tokens ahead
         assert await collect(lc) == expected(PROMPT, 3)
         assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 0
-        c.pool.reserve(prefill, tokens=len(PROMPT))  # 1000 short tokens ahead now
+        c.prefills[0].queue["num_queued_short_tokens"] = 1000  # 1000 short tokens ahead now
+        await wait_until(lambda: prefill.stats.num_queued_short_tokens == 1000)
         lc = make(c, max_tokens=3, request_id="req-4", **cfg)
         assert await collect(lc) == expected(PROMPT, 3)
         assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 1
