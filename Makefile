@@ -31,7 +31,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/pdserve serve $(SERVE_ARGS)
+	@echo "$(BIN)/pdserve serve ..."  # not the flags: SERVE_ARGS may hold --api-key
+	@$(BIN)/pdserve serve $(SERVE_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -111,6 +111,11 @@ async def fetch_model_name(session: aiohttp.ClientSession, config: BenchConfig) 
     url = config.base_url.rstrip("/") + "/v1/models"
     try:
         async with session.get(url, headers=auth_headers(config)) as resp:
+            if resp.status in (401, 403):
+                raise BenchmarkError(
+                    f"GET {url} returned HTTP {resp.status}: the server wants an API key; "
+                    "pass --api-key (or set OPENAI_API_KEY)"
+                )
             if resp.status != 200:
                 raise BenchmarkError(f"GET {url} returned HTTP {resp.status}; pass --model")
             data = await resp.json()

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         f"'{BUILTIN}' (no model files; one token per word). Default: --model if "
         "it names a local model, else smollm2",
     )
-    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, as vLLM's client)",
+    )
     s.add_argument(
         "--request-timeout",
         type=float,
@@ -162,7 +167,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--label", default="pdserve", help="name of this run in results and plots")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=DATASETS, default="random")
+    d.add_argument(
+        "--dataset-name", choices=DATASETS, default="random", help="workload (default random)"
+    )
     d.add_argument("--dataset-path", default=None, help="JSONL trace (--dataset-name jsonl)")
     d.add_argument(
         "--num-prompts",
@@ -172,8 +179,18 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "jsonl: the whole trace)",
     )
     d.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument(
+        "--random-input-len",
+        type=int,
+        default=1024,
+        help="prompt tokens per request (default 1024, as vLLM's client)",
+    )
+    d.add_argument(
+        "--random-output-len",
+        type=int,
+        default=128,
+        help="output tokens asked per request (default 128)",
+    )
     d.add_argument(
         "--random-range-ratio",
         type=float,
@@ -186,21 +203,36 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="tokens of one random prefix shared by every prompt",
     )
-    d.add_argument("--shared-prefix-num-groups", type=int, default=4)
-    d.add_argument("--shared-prefix-prompts-per-group", type=int, default=8)
-    d.add_argument("--shared-prefix-system-len", type=int, default=512)
-    d.add_argument("--shared-prefix-question-len", type=int, default=64)
-    d.add_argument("--shared-prefix-output-len", type=int, default=64)
+    for name, default, what in (
+        ("num-groups", 4, "groups sharing one system prompt"),
+        ("prompts-per-group", 8, "prompts per group"),
+        ("system-len", 512, "tokens of each group's shared system prompt"),
+        ("question-len", 64, "tokens of each prompt's own question"),
+        ("output-len", 64, "output tokens asked per request"),
+    ):
+        d.add_argument(
+            f"--shared-prefix-{name}", type=int, default=default, help=f"{what} (default {default})"
+        )
     d.add_argument(
         "--mixed-long-fraction",
         type=float,
         default=0.1,
         help="fraction of long RAG-style prompts (default 0.1)",
     )
-    d.add_argument("--mixed-short-input-len", type=int, default=64)
-    d.add_argument("--mixed-short-output-len", type=int, default=128)
-    d.add_argument("--mixed-long-input-len", type=int, default=2048)
-    d.add_argument("--mixed-long-output-len", type=int, default=64)
+    for name, default in (
+        ("short-input-len", 64),
+        ("short-output-len", 128),
+        ("long-input-len", 2048),
+        ("long-output-len", 64),
+    ):
+        kind, io = name.split("-")[:2]
+        d.add_argument(
+            f"--mixed-{name}",
+            type=int,
+            default=default,
+            help=f"{'prompt' if io == 'input' else 'output'} tokens of a {kind} request "
+            f"(default {default})",
+        )
     d.add_argument(
         "--trace-time-scale",
         type=float,
@@ -226,9 +258,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ask the server to ignore EOS so outputs have the requested length",
     )
-    a.add_argument("--temperature", type=float, default=None)
-    a.add_argument("--top-p", type=float, default=None)
-    a.add_argument("--top-k", type=int, default=None)
+    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int)):
+        a.add_argument(flag, type=kind, default=None, help="sent when given (default: not sent)")
     a.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     a.add_argument(
         "--goodput",

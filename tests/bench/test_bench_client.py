@@ -73,3 +73,33 @@ def test_arrivals() -> None:
         arrival_offsets(3, 0.0)
     with pytest.raises(ValueError, match="--burstiness"):
         arrival_offsets(3, 1.0, burstiness=0)
+
+
+async def test_a_server_that_wants_a_key_names_the_api_key_flag() -> None:
+    """A 401 from GET /v1/models names --api-key (not --model, which fails on the next 401)."""
+    import aiohttp
+    from aiohttp import web
+
+    from pdserve.bench.serve import BenchConfig, BenchmarkError, fetch_model_name
+
+    async def models(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            config = BenchConfig(base_url=f"http://127.0.0.1:{port}")
+            with pytest.raises(BenchmarkError, match="--api-key"):
+                await fetch_model_name(session, config)
+            keyed = BenchConfig(base_url=f"http://127.0.0.1:{port}", api_key="k")
+            assert await fetch_model_name(session, keyed) == "m"
+    finally:
+        await runner.cleanup()
