@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.config import ConfigError, ModelConfig, dtype_bytes
+from pdserve.model.resolve import SMOLLM2_NAMES
 
 GIB = 1024**3
 # Common short names accepted by --dtype, mapped to the names pdserve.config knows.
@@ -45,16 +46,23 @@ class KVPlan:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read a HF ``config.json`` (file or directory holding one) for planning.
+    """Read a model's configuration for planning: a HF ``config.json`` (file or directory holding
+    one), a ``.gguf`` file's metadata, or ``smollm2`` (the bundled model), as ``--model`` takes.
 
     Raises ConfigError with one line naming the file and the problem (missing file, bad JSON,
     not a JSON object, missing key, non-numeric value).
     """
+    name = str(path)
+    if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+        return _model_config(name)
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ConfigError(f"--config: file not found: {p}")
+        raise ConfigError(
+            f"--config: file not found: {p} (give a config.json, its directory, a .gguf file "
+            "or smollm2)"
+        )
     try:
         raw = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError) as e:
@@ -69,6 +77,18 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"--config {p}: {e}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--config {p}: a numeric field has a bad value ({e})") from None
+
+
+def _model_config(model: str) -> ModelConfig:
+    """The config of a ``--model`` argument that is no config.json (imports the model loader,
+    and so torch, only then). Raises ConfigError."""
+    from pdserve.config import LoadConfig
+    from pdserve.model.loader import load_model_config as model_config
+
+    try:
+        return model_config(LoadConfig(model=model, load_format="dummy"))
+    except ConfigError as e:
+        raise ConfigError(f"--config: {e}") from None
 
 
 def plan_kv(
@@ -142,5 +162,11 @@ def format_plan(plan: KVPlan) -> str:
             f"{format_bytes(plan.memory_bytes)} of KV memory holds {plan.num_blocks:,} blocks of "
             f"{plan.block_size} tokens: admits {plan.max_concurrency:,} concurrent sequences of "
             f"{plan.tokens:,} tokens"
+        )
+    if plan.tokens > m.max_position_embeddings:
+        lines.append(
+            f"note: {plan.tokens:,} tokens is past the model's context length "
+            f"({m.max_position_embeddings:,} tokens, max_position_embeddings): pdserve serve "
+            "refuses a --max-model-len above it"
         )
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ def test_convert_smollm2_same_logits(tmp_path: Path) -> None:
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(
         result.files
     )
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # the weights too, not 0600
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["rope_theta"] == 100000.0
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())

@@ -95,3 +95,21 @@ def test_bad_arguments(qwen_config: Path, capsys: pytest.CaptureFixture) -> None
     assert "--dtype" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--memory-gib"):
         plan_kv(load_model_config(qwen_config), tokens=8, memory_gib=0)
+
+
+def test_the_bundled_model_and_a_gguf_plan_like_a_config(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """--config takes what --model takes (smollm2, a .gguf) besides a config.json, and says when
+    the length is past the model's context."""
+    from pdserve.model.resolve import smollm2_path
+
+    rc = main(["plan", "--config", "smollm2", "--tokens", "32768"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64 -> 2 * 30 * 3 * 64 * 2 bytes per token
+    assert "23,040 bytes" in out and "past the model's context length (8,192 tokens" in out
+    assert main(["plan", "--config", str(smollm2_path()), "--tokens", "100"]) == 0
+    assert "23,040 bytes" in capsys.readouterr().out
+    assert main(["plan", "--config", str(tmp_path / "none.gguf"), "--tokens", "100"]) == 2
+    assert "not found" in capsys.readouterr().err

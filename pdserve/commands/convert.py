@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -125,7 +126,19 @@ def convert(model: str, output: Path, dtype: str = "float32", force: bool = Fals
     tokenizer.hf.save_pretrained(str(output))
     fix_config(output / "config.json")
     _inline_chat_template(output)
+    _default_modes(output)
     return Converted(output, sorted(p.name for p in output.iterdir()), loaded)
+
+
+def _default_modes(output: Path) -> None:
+    """Give every written file the mode a new file gets under the umask (0644 under 022): the
+    weights file is written through a private temporary file (0600), which would keep other
+    users, and a server running as another user, from reading it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in output.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def run(args: argparse.Namespace) -> int:

