@@ -258,8 +258,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ask the server to ignore EOS so outputs have the requested length",
     )
-    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int)):
-        a.add_argument(flag, type=kind, default=None, help="sent when given (default: not sent)")
+    for flag, parse in (("--temperature", float), ("--top-p", float), ("--top-k", int)):
+        a.add_argument(flag, type=parse, default=None, help="sent when given (default: not sent)")
     a.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     a.add_argument(
         "--goodput",

@@ -26,7 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
