@@ -112,13 +112,14 @@ def token_to_proto(t: SampledToken) -> cpb.TokenLogprob:
         logprob=t.logprob,
         top_token_ids=[tid for tid, _ in t.top_logprobs],
         top_logprobs=[lp for _, lp in t.top_logprobs],
+        rank=t.rank,
     )
 
 
 def token_from_proto(m: cpb.TokenLogprob) -> SampledToken:
     """Inverse of :func:`token_to_proto`. Keeps at most MAX_TOP_LOGPROBS entries."""
     tops = tuple(zip(m.top_token_ids, m.top_logprobs, strict=False))[:MAX_TOP_LOGPROBS]
-    return SampledToken(token_id=m.token_id, logprob=m.logprob, top_logprobs=tops)
+    return SampledToken(token_id=m.token_id, logprob=m.logprob, top_logprobs=tops, rank=m.rank)
 
 
 def tokens_to_proto(tokens: Sequence[SampledToken]) -> pb.Tokens:

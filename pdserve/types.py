@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SampledToken:
-    """A sampled token and, when requested, log-probabilities (natural log)."""
+    """A sampled token and, when requested, log-probabilities (natural log). ``rank``: for a
+    prompt token, its 1-based rank among the whole vocabulary by logprob, counting every token
+    with the same or a higher logprob (vLLM's rule); 0 when not computed (sampled tokens)."""
 
     token_id: int
     logprob: float = 0.0
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    rank: int = 0
 
 
 class TransferOutcome(str, enum.Enum):

@@ -218,7 +218,8 @@ class ModelRunner:
         """Logprobs of the prompt tokens that ``seq``'s chunk predicts. ``hidden``: the chunk's
         hidden states [len(seq.token_ids), hidden]. Row r (position num_computed + r) predicts
         prompt token num_computed + r + 1; rows past the prompt (re-prefilled output) predict
-        none. None when no row predicts a prompt token."""
+        none. Each token carries its rank in the vocabulary (``SampledToken.rank``). None when
+        no row predicts a prompt token."""
         prompt = seq.prompt_token_ids
         k = seq.sampling.prompt_logprobs or 0
         rows = min(len(seq.token_ids), len(prompt) - 1 - seq.num_computed)
@@ -231,7 +232,9 @@ class ModelRunner:
             b = min(a + PROMPT_LOGPROB_ROWS, rows)
             lg = self.model.compute_logits(hidden[a:b])[:, : self.sampler.vocab_size].float()
             lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [rows, 1]
-            chosen = (lg.gather(1, targets[a:b, None]) - lse).squeeze(1).tolist()
+            target_logits = lg.gather(1, targets[a:b, None])  # [rows, 1]
+            chosen = (target_logits - lse).squeeze(1).tolist()
+            ranks = (lg >= target_logits).sum(dim=-1).tolist()
             tops: list[tuple[tuple[int, float], ...]] = [()] * (b - a)
             if k:
                 vals, ids = lg.topk(k, dim=-1)
@@ -241,7 +244,7 @@ class ModelRunner:
                 ]
             tgt = targets[a:b].tolist()
             out.extend(
-                SampledToken(token_id=t, logprob=c, top_logprobs=top)
-                for t, c, top in zip(tgt, chosen, tops, strict=True)
+                SampledToken(token_id=t, logprob=c, top_logprobs=top, rank=r)
+                for t, c, top, r in zip(tgt, chosen, tops, ranks, strict=True)
             )
         return PromptLogprobs(start=start, tokens=tuple(out))

@@ -7,8 +7,9 @@ Two forms, as the APIs pdserve mirrors define them:
   token's logprob and alternatives ``null`` (nothing precedes it), then the completion's.
 * vLLM's ``prompt_logprobs``: a list with one entry per prompt token, ``null`` first, then
   ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the top
-  alternatives (``rank``: 1-based position among the alternatives; null for a prompt token
-  outside them, whose rank pdserve does not compute).
+  alternatives (``rank``: 1-based rank in the whole vocabulary, ties counting against the
+  token, as vLLM's: the worker computes the prompt token's, and an alternative's is its place
+  among the alternatives, best first).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def vllm_prompt_logprobs(
         ranks = {tid: r + 1 for r, (tid, _) in enumerate(t.top_logprobs)}
         entry[str(t.token_id)] = {
             "logprob": t.logprob,
-            "rank": ranks.get(t.token_id),
+            "rank": t.rank or ranks.get(t.token_id),
             "decoded_token": token_text(t.token_id),
         }
         for tid, lp in t.top_logprobs:

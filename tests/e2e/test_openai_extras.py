@@ -166,6 +166,9 @@ def test_echo_logprobs_equal_transformers(server: ServeProcess, tok: Tokenizer) 
     plp = r.json()["prompt_logprobs"]
     assert plp[0] is None and len(plp) == r.json()["usage"]["prompt_tokens"]
     assert all(1 <= len(e) <= 3 for e in plp[1:])
+    # every entry has its vocabulary rank, the prompt token's too when outside the top 2
+    assert all(isinstance(v["rank"], int) and v["rank"] >= 1 for e in plp[1:] for v in e.values())
+    assert any(v["rank"] > 2 for e in plp[1:] for v in e.values())  # "Hi" is no likely token
 
 
 # -- logit_bias ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ def test_chunked_prompt_logprobs_equal_full_forward(monkeypatch: pytest.MonkeyPa
     assert [t.token_id for t in got] == prompt[1:]
     for j, t in enumerate(got):  # token j+1 given tokens 0..j
         assert t.logprob == pytest.approx(ref[j, prompt[j + 1]].item(), abs=1e-4)
+        assert t.rank == int((ref_logits[j] >= ref_logits[j, prompt[j + 1]]).sum())  # 1-based
         vals, ids = ref[j].topk(2)
         assert [i for i, _ in t.top_logprobs] == ids.tolist()
         assert [v for _, v in t.top_logprobs] == pytest.approx(vals.tolist(), abs=1e-4)
