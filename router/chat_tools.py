@@ -80,12 +80,19 @@ class ToolSetup:
 
 
 class ToolStream:
-    """Streaming :meth:`ToolSetup.split` for one choice: ``feed``/``finish`` return
-    (content now, calls completed now)."""
+    """Streaming :meth:`ToolSetup.split` for one choice: ``feed``/``finish`` return (content
+    now, ``tool_calls`` delta entries now, in OpenAI's streamed form with their ``index``).
+
+    A named choice streams its one call's arguments as they are generated, as OpenAI and vLLM
+    do: the first entry carries the call's id, type and name with the first piece of the
+    arguments, later ones ``{"index": 0, "function": {"arguments": piece}}``. The pieces join to
+    the generated JSON text as is (the whole response re-serialises it; both parse alike).
+    ``required`` and ``auto`` send each call whole once parsed.
+    """
 
     def __init__(self, setup: ToolSetup) -> None:
         self.setup = setup
-        self._named_text: list[str] = []
+        self._named_id: str | None = None
         self._parser = (
             None
             if setup.mode == "named"
@@ -95,21 +102,29 @@ class ToolStream:
         )
         self.num_calls = 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self._parser is None:
-            self._named_text.append(text)
-            return "", []
+            return "", self._named_piece(text) if text else []
         content, calls = self._parser.feed(text)
-        self.num_calls += len(calls)
-        return content, calls
+        return content, self._whole(calls)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._parser is None:
-            self.num_calls = 1
-            return "", [_named_call(self.setup.name or "", "".join(self._named_text))]
+            return "", self._named_piece("") if self._named_id is None else []
         content, calls = self._parser.finish()
+        return content, self._whole(calls)
+
+    def _named_piece(self, text: str) -> list[dict[str, Any]]:
+        if self._named_id is not None:
+            return [{"index": 0, "function": {"arguments": text}}]
+        self._named_id = new_call_id()
+        self.num_calls = 1
+        return [ToolCall(self.setup.name or "", text, self._named_id).to_openai(0)]
+
+    def _whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        first = self.num_calls
         self.num_calls += len(calls)
-        return content, calls
+        return [c.to_openai(first + j) for j, c in enumerate(calls)]
 
 
 def _named_call(name: str, text: str) -> ToolCall:

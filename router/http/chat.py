@@ -70,7 +70,7 @@ async def chat_completion(
         splitters = [tools.streamer() if tools else None for _ in range(sampling.n)]
         opened: set[int] = set()  # choices whose first chunk (with the role) went out
 
-        def chunk(delta: ChoiceDelta) -> str:
+        def chunk(delta: ChoiceDelta) -> str | None:
             lp = None
             if delta.tokens and sampling.logprobs:
                 lp = logprobs.chat(delta.tokens, top)
@@ -79,11 +79,14 @@ async def chat_completion(
             choice = chat_chunk_choice(
                 delta, delta.index, lp, first, splitters[delta.index], echo if first else ""
             )
+            if not (first or choice["delta"] or lp or choice["finish_reason"]):
+                return None  # nothing to say yet (a tool call being parsed): no empty chunk
             return sse({**head, "system_fingerprint": None, "choices": [choice], **extra})
 
         async def events() -> AsyncIterator[str]:
             async for d in stream:
-                yield chunk(d)
+                if (c := chunk(d)) is not None:
+                    yield c
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": usage([stream])})
 

@@ -108,7 +108,8 @@ def chat_chunk_choice(
 
 
 def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, Any]:
-    """A streamed chat ``delta``: content, and tool calls once complete (``splitter`` set)."""
+    """A streamed chat ``delta``: content, and the tool-call entries the choice's ``splitter``
+    gives (:class:`router.chat_tools.ToolStream`) when the request has tools."""
     if splitter is None:
         return {"content": delta.text} if delta.text else {}
     content, calls = splitter.feed(delta.text)
@@ -117,8 +118,7 @@ def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, An
         content, calls = content + more, calls + late
     out: dict[str, Any] = {"content": content} if content else {}
     if calls:
-        first = splitter.num_calls - len(calls)
-        out["tool_calls"] = [c.to_openai(first + j) for j, c in enumerate(calls)]
+        out["tool_calls"] = calls
     return out
 
 

@@ -228,3 +228,31 @@ async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> 
         await channel.close()
         await gw.stop(0)
         await c.close()
+
+
+async def test_a_named_tool_call_streams_its_arguments(tokenizer: Tokenizer) -> None:
+    """tool_choice naming a function: the call's arguments stream as they are generated (id,
+    type and name in the first entry, as OpenAI and vLLM send them), and no chunk is empty."""
+    args = '{"city": "Paris", "unit": "celsius"}'
+    async with client(tokenizer, args) as http:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        body = {"messages": ASK, "tools": [WEATHER], "tool_choice": named, "max_tokens": 64}
+        whole = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == (
+            json.loads(args)
+        )
+        s = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        choices = [e["choices"][0] for e in sse_events(s.text) if isinstance(e, dict)]
+        assert choices[0]["delta"]["role"] == "assistant"
+        calls = [tc for c in choices for tc in c["delta"].get("tool_calls") or []]
+        assert len(calls) > 3  # piece by piece, not one entry at the end
+        head, *rest = calls
+        assert head["index"] == 0 and head["type"] == "function"
+        assert head["id"].startswith("call_") and head["function"]["name"] == "get_weather"
+        assert all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}}
+                   for tc in rest)  # fmt: skip
+        assert "".join(tc["function"]["arguments"] for tc in calls) == args
+        assert all(c["delta"] or c["finish_reason"] for c in choices)  # no empty chunk
+        assert choices[-1]["finish_reason"] == "tool_calls"
+        assert not any(c["delta"].get("content") for c in choices)
