@@ -215,8 +215,50 @@ def select_parser(requested: str | None, chat_template: str | None) -> str:
 
 
 def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The tool's parameters schema as the output constraint takes it: :func:`strict_objects`
+    (an object schema that names its properties admits only those unless it says otherwise)."""
     params = tool["function"].get("parameters")
-    return dict(params) if isinstance(params, Mapping) else {"type": "object", "properties": {}}
+    if not isinstance(params, Mapping):
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    out = strict_objects(params)
+    assert isinstance(out, dict)
+    return out
+
+
+# where a JSON schema holds subschemas that describe a value on their own (not allOf: its branches
+# describe one object together, so a branch may not refuse another branch's properties)
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def strict_objects(schema: Any) -> Any:
+    """A copy of JSON schema ``schema`` in which every object schema that lists ``properties``
+    and says nothing of others (no ``additionalProperties``, ``unevaluatedProperties`` or
+    ``patternProperties``) gets ``additionalProperties: false``, through its nested schemas
+    (except ``allOf`` branches). So a constrained tool call holds the declared arguments only:
+    left open, a small model fills an argument object with invented keys (one run repeated a
+    "description" key until max_tokens). xgrammar, vLLM's default structured-output backend,
+    compiles schemas the same way by default (its strict mode); OpenAI's strict function calling
+    requires ``additionalProperties: false`` outright."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SCHEMA:
+        if key in out:
+            out[key] = strict_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_objects(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: strict_objects(s) for k, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), Mapping):
+        out["additionalProperties"] = strict_objects(out["additionalProperties"])
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if isinstance(out.get("properties"), Mapping) and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def required_schema(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> dict[str, Any]:

@@ -131,4 +131,43 @@ def test_tool_choice_schemas_validate_calls() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good[:1] * 2, one)
     jsonschema.validate({"city": "Rome", "days": 2}, named_schema(WEATHER))
-    assert named_schema(TIME) == {"type": "object", "properties": {}}
+    assert named_schema(TIME) == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def test_tool_arguments_hold_only_the_declared_properties() -> None:
+    """A parameters schema that lists properties and says nothing of others admits only those
+    (xgrammar's default, vLLM's usual backend), through nested objects, arrays, $defs and
+    anyOf; a schema that opens itself (additionalProperties, patternProperties) stays open, and
+    allOf branches are left alone (they describe one object together)."""
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "stops": {"type": "array", "items": {"$ref": "#/$defs/stop"}},
+            "any": {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]},
+            "tags": {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}},
+            "both": {"allOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]},
+        },
+        "$defs": {"stop": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    }
+    tool = {"type": "function", "function": {"name": "trip", "parameters": params}}
+    schema = named_schema(tool)
+    good = {"city": "Rome", "where": {"lat": 1.5}, "stops": [{"name": "a"}], "any": {"a": 1},
+            "tags": {"k": "v"}, "both": {"x": 1, "y": 2}}  # fmt: skip
+    jsonschema.validate(good, schema)
+    for bad in (
+        {"city": "Rome", "description": "sunny"},
+        {"where": {"lat": 1, "lon": 2}},
+        {"stops": [{"name": "a", "extra": 1}]},
+        {"any": {"a": 1, "b": 2}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert params["properties"]["where"] == {  # type: ignore[index]
+        "type": "object",
+        "properties": {"lat": {"type": "number"}},
+    }  # the request's own schema is not changed
+    (variant,) = [required_schema([tool])["items"]]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "trip", "arguments": {"nope": 1}}, variant)
