@@ -146,7 +146,11 @@ def test_tool_arguments_hold_only_the_declared_properties() -> None:
             "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
             "stops": {"type": "array", "items": {"$ref": "#/$defs/stop"}},
             "any": {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]},
-            "tags": {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}},
+            "tags": {
+                "type": "object",
+                "properties": {},
+                "additionalProperties": {"type": "string"},
+            },
             "both": {"allOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]},
         },
         "$defs": {"stop": {"type": "object", "properties": {"name": {"type": "string"}}}},
