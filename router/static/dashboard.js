@@ -177,6 +177,17 @@ async function showRecord(id) {
 
 // -- charts -----------------------------------------------------------------------------------------
 
+// The y axis's width: its widest tick label plus the tick marks and gap, so long labels
+// ("976.6 KiB") never run into the axis title beside them.
+function yAxisSize(u, values, axisIdx, cycleNum) {
+  const axis = u.axes[axisIdx];
+  if (cycleNum > 1 && axis._size) return axis._size;  // settled: keep the width uPlot converged on
+  const widest = (values || []).reduce((w, v) => (String(v).length > w.length ? String(v) : w), "");
+  u.ctx.font = axis.font[0];
+  const text = widest ? u.ctx.measureText(widest).width / devicePixelRatio : 0;
+  return Math.max(40, Math.ceil(text + axis.ticks.size + axis.gap + 4));
+}
+
 function chartOpts(series, yLabel, yFormat) {
   const width = Math.max(300, ($(".charts figure")?.clientWidth || 440) - 14);
   return {
@@ -184,7 +195,7 @@ function chartOpts(series, yLabel, yFormat) {
     cursor: { drag: { x: false, y: false } },
     legend: { live: false },
     scales: { x: { time: true } },
-    axes: [{}, { label: yLabel, size: 64,
+    axes: [{}, { label: yLabel, size: yAxisSize,
                  ...(yFormat ? { values: (u, ticks) => ticks.map(yFormat) } : {}) }],
     series: [{}, ...series.map((name, i) => ({
       label: name, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
