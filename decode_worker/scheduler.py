@@ -304,7 +304,10 @@ class DecodeScheduler:
         if not 0 <= first_token.token_id < self.vocab_size:
             self._fail(seq, INTERNAL, f"token 1 id {first_token.token_id} is outside the vocab")
             return False
-        if seq.grammar is not None:  # token 1 was sampled under the grammar on the prefill worker
+        # token 1 was sampled under the grammar on the prefill worker; an EOS ends the sequence
+        # (a grammar left with no token allows only EOS: pdserve/sampling_masks.py), so the
+        # matcher need not take it (it refuses an EOS before the grammar is complete)
+        if seq.grammar is not None and first_token.token_id not in self.eos_token_ids:
             try:
                 seq.grammar.advance([first_token.token_id])
             except StructuredOutputError as e:

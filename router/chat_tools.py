@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import json_text
 from pdserve.structured.spec import StructuredOutputSpec
 from router.errors import BadRequest
 from router.tool_parsers import (
@@ -42,6 +43,10 @@ def check_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise BadRequest(f"'tools[{i}].function.parameters' must be an object", param="tools")
+        try:
+            json_text.check_depth(params)
+        except ValueError as e:
+            raise BadRequest(f"'tools[{i}].function.parameters' is {e}", param="tools") from None
         out.append({"type": "function", "function": dict(fn)})
     return out
 
@@ -57,13 +62,15 @@ class ToolSetup:
     parser: str
 
     def spec(self) -> StructuredOutputSpec | None:
-        """The output constraint ``required`` and named choices need (None otherwise)."""
+        """The output constraint ``required`` and named choices need (None otherwise). Its field
+        (what an error that it cannot be compiled names) is ``tools``: the tools' parameter
+        schemas make it up."""
         if self.mode == "required":
             schema = required_schema(self.tools, self.parallel)
-            return StructuredOutputSpec.json_schema(schema, "tool_choice")
+            return StructuredOutputSpec.json_schema(schema, "tools")
         if self.mode == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
-            return StructuredOutputSpec.json_schema(named_schema(tool), "tool_choice")
+            return StructuredOutputSpec.json_schema(named_schema(tool), "tools")
         return None
 
     def split(self, text: str) -> ParsedOutput:
@@ -129,7 +136,7 @@ class ToolStream:
 
 def _named_call(name: str, text: str) -> ToolCall:
     try:
-        args = json.dumps(json.loads(text), ensure_ascii=False)
+        args = json.dumps(json_text.loads(text), ensure_ascii=False)
     except ValueError:
         args = text  # cut by max_tokens: pass on what was generated
     return ToolCall(name, args, new_call_id())

@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import grpc
 
+MAX_MESSAGE_CHARS = 1000  # an error message that quotes the request is cut to this
+
+
+def safe_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` fit to send back: lone surrogates (from JSON ``\\udfff`` escapes in the request,
+    which UTF-8 cannot encode) written as ``\\udfff`` text, and at most ``limit`` characters,
+    so an error never fails to encode nor echoes a large input back."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40]}... ({len(text) - limit + 40} characters cut)"
+
 
 class RouterError(Exception):
     """A request-level failure.
 
     ``status``: HTTP status code. ``type``/``code``: OpenAI ``error.type`` and ``error.code``.
     ``param``: the request field at fault, or None. ``retry_after_s``: seconds for a
-    ``Retry-After`` header (429/503 only).
+    ``Retry-After`` header (429/503 only). ``message`` and ``param`` are passed through
+    :func:`safe_message`: they often quote the request.
     """
 
     status: int = 500
@@ -26,9 +39,10 @@ class RouterError(Exception):
     def __init__(
         self, message: str, *, param: str | None = None, retry_after_s: int | None = None
     ) -> None:
+        message = safe_message(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else safe_message(param, 200)
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, dict[str, str | None]]:

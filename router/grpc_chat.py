@@ -5,10 +5,10 @@ tool handling need, at parity with the HTTP gateway's chat fields. JSON-valued w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import json_text
 from pdserve.v1 import generate_pb2 as gpb
 from router.chat_tools import ToolSetup, tool_setup
 from router.errors import BadRequest
@@ -45,7 +45,7 @@ def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = N
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)
     except ValueError as e:
         raise BadRequest(f"'{param}' is not valid JSON: {e}", param=param) from None
     if not isinstance(value, kinds) or isinstance(value, bool):

@@ -200,7 +200,9 @@ class PromptPreparer:
     ) -> None:
         """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
         cannot compile, or whose first token mask takes longer than ``max_mask_ms``, is a 400
-        naming its field before any worker sees it; so is ``allowed_token_ids`` (vLLM's
+        naming its field before any worker sees it, as is a spec that allows no first token but
+        EOS while the empty output does not match it (it matches no output, e.g. the regex
+        ``a[^\\s\\S]``); so is ``allowed_token_ids`` (vLLM's
         extension) holding none of the tokens the grammar allows first, a request no output can
         satisfy (past token 1 the grammar wins over it, as over ``logit_bias``; see
         :mod:`pdserve.sampling_masks`). Raises BadRequest."""
@@ -226,8 +228,15 @@ class PromptPreparer:
                 f"'{spec.field}' is too expensive to enforce: its first token mask took "
                 f"{ms:.0f} ms (the limit is {self.max_mask_ms:g} ms per token)",
             )
+        first = unpack_bitmask(mask, self._grammar.vocab_size)[0]
+        text_tokens = first.copy()
+        text_tokens[[t for t in self.tokenizer.eos_token_ids if t < len(first)]] = False
+        if not text_tokens.any() and not matcher.is_accepting:  # llguidance then allows EOS
+            raise StructuredOutputError(
+                spec.field,
+                f"'{spec.field}' matches no output: no token can start a string it accepts",
+            )
         if allowed_token_ids is not None:
-            first = unpack_bitmask(mask, self._grammar.vocab_size)[0]
             ids = [t for t in allowed_token_ids if 0 <= t < len(first)]
             if not first[ids].any():
                 raise StructuredOutputError(

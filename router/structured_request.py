@@ -116,15 +116,18 @@ def logit_bias_pairs(
                 "digits only)",
                 param="logit_bias",
             )
+        shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} characters)"
         if digits != key:
             raise BadRequest(
-                f"'logit_bias' key '{key}' is negative; token ids are >= 0", param="logit_bias"
+                f"'logit_bias' key '{shown}' is negative; token ids are >= 0", param="logit_bias"
             )
-        tid = int(key)
-        if tid >= vocab_size:
+        # compare lengths first: int() refuses strings of over 4300 digits (a ValueError)
+        digits = digits.lstrip("0") or "0"
+        if len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
             raise BadRequest(
-                f"'logit_bias' key '{key}' is outside the vocabulary [0, {vocab_size})",
+                f"'logit_bias' key '{shown}' is outside the vocabulary [0, {vocab_size})",
                 param="logit_bias",
             )
+        tid = int(digits)
         out.append((tid, value))
     return tuple(sorted(out))

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import json_text
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 TOOL_PARSERS = ("hermes", "json")
@@ -76,7 +78,7 @@ def call_from_json(obj: Any) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text already
         try:
-            args = json.loads(args)
+            args = json_text.loads(args)
         except ValueError:
             return None
     if not isinstance(args, Mapping):
@@ -96,7 +98,7 @@ def _strip_fence(text: str) -> str:
 def parse_json_calls(text: str) -> list[ToolCall] | None:
     """Calls from text that is wholly a JSON call object or array of them; None otherwise."""
     try:
-        obj = json.loads(_strip_fence(text))
+        obj = json_text.loads(_strip_fence(text))
     except ValueError:
         return None
     items = obj if isinstance(obj, list) else [obj]

@@ -81,6 +81,11 @@ def test_tools_tool_calls_and_tool_messages_render(tok: Tokenizer) -> None:
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in text
     assert text.endswith("<|im_start|>assistant\n")
+    # arguments nested past the JSON depth bound stay text (no RecursionError in the template)
+    deep = "[" * 1500 + "]" * 1500
+    call["function"]["arguments"] = deep  # type: ignore[index]
+    text = tok.render_chat(msgs, tools=[WEATHER], chat_template=TOOL_TEMPLATE)
+    assert deep in text
 
 
 def test_documents_and_template_kwargs(tok: Tokenizer) -> None:

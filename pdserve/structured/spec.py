@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
 
+from pdserve import json_text
+
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Largest spec text accepted (bytes of ``value``): a bound on compile work and on wire size.
 MAX_SPEC_BYTES = 256 * 1024
@@ -67,7 +69,7 @@ class StructuredOutputSpec:
             )
         if self.kind == "json_schema":
             try:
-                schema = json.loads(self.value)
+                schema = json_text.loads(self.value)
             except ValueError as e:
                 raise StructuredOutputError(
                     self.field, f"'{self.field}' schema is not valid JSON: {e}"
@@ -78,7 +80,7 @@ class StructuredOutputSpec:
                 )
         elif self.kind == "choice":
             try:
-                choices = json.loads(self.value)
+                choices = json_text.loads(self.value)
             except ValueError:
                 choices = None
             if (

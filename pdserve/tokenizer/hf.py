@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve import json_text
 from pdserve.config import ConfigError
 from pdserve.model.gguf_header import read_gguf_metadata
 from pdserve.model.resolve import resolve_model
@@ -236,7 +237,7 @@ def _template_tool_call(call: Any) -> Any:
     fn = call.get("function")
     if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
         try:
-            args = json.loads(fn["arguments"])
+            args = json_text.loads(fn["arguments"])
         except ValueError:
             return dict(call)
         return {**call, "function": {**fn, "arguments": args}}

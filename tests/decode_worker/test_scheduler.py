@@ -454,6 +454,13 @@ def test_token_one_outside_the_grammar_fails_the_request_not_the_worker() -> Non
     assert "guided_json" in err.message
     assert s.kv.num_free_blocks == 16 and not s.has("g")
     s.check_integrity()
+    # an EOS ends the sequence without the matcher (a grammar with no token left allows only
+    # EOS; the matcher would refuse an EOS before the grammar is complete), as on a local prefill
+    s.add_request(req("e", 4), transfer_id=2, grammar=RejectingGrammar())  # type: ignore[arg-type]
+    assert s.kv_arrived("e", 2, SampledToken(EOS))
+    ev, _ = s.drain()
+    assert ev[-1] == ("e", FinishedEvent("stop", 1))
+    assert s.kv.num_free_blocks == 16 and not s.has("e")
 
 
 def test_update_checks_result_count() -> None:

@@ -201,7 +201,7 @@ async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> 
             gpb.GenerateRequest(chat=forced, sampling=wpb.SamplingParams(max_tokens=8))
         ).read()
         spec = c.decodes[0].requests[-1].sampling.structured
-        assert spec.kind == "json_schema" and spec.field == "tool_choice"
+        assert spec.kind == "json_schema" and spec.field == "tools"
 
         bad = [
             (gpb.ChatMessages(messages=chat.messages, tools_json="{"), "tools_json"),

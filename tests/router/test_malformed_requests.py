@@ -32,6 +32,14 @@ pytestmark = pytest.mark.timeout(120)
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 MAX_BODY = 64 * 1024  # the test app's body limit, bytes
 MANY_STOPS = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+DEEP = "[" * 1500 + "]" * 1500  # JSON text nested past Python's recursion limit
+BAD_SCHEMA_TOOL = {"type": "function",
+                   "function": {"name": "f", "parameters": {"type": "banana"}}}  # fmt: skip
+DEEP_TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+_node = DEEP_TOOL["function"]["parameters"]  # type: ignore[index]
+for _ in range(150):  # parameters nested past the JSON depth bound (well inside the body's)
+    _node["properties"] = {"x": {}}
+    _node = _node["properties"]["x"]
 LONG_STOP = "x" * (MAX_STOP_STRING_CHARS + 1)
 
 
@@ -94,6 +102,22 @@ HTTP_ROWS = [
     Http("chat negative stop id", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     Http("chat seed -1", CHAT, chat(seed=-1), 400, "seed"),
     Http("chat unknown model", CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
+    Http("chat model a lone surrogate", CHAT,
+         b'{"model": "\\udfff", "messages": [{"role": "user", "content": "a"}]}', 404, "model",
+         "\\udfff", raw=True),
+    Http("chat model 60 KB long", CHAT, chat(model="m" * 60_000), 404, "model", "characters cut"),
+    Http("chat guided_json nested too deeply", CHAT, chat(guided_json=DEEP), 400, "guided_json",
+         "nested deeper than 100 levels"),
+    Http("chat structured_outputs json nested too deeply", CHAT,
+         chat(structured_outputs={"json": DEEP}), 400, "structured_outputs", "nested deeper"),
+    Http("chat tool parameters nested too deeply", CHAT, chat(tools=[DEEP_TOOL]), 400, "tools",
+         "nested deeper"),
+    Http("chat required tool with a bad schema", CHAT,
+         chat(tools=[BAD_SCHEMA_TOOL], tool_choice="required"), 400, "tools", "cannot be compiled"),
+    Http("cmpl regex matching nothing", CMPL, cmpl(guided_regex="a[^\\s\\S]"), 400,
+         "guided_regex", "matches no output"),
+    Http("cmpl logit_bias key of 5000 digits", CMPL, cmpl(logit_bias={"9" * 5000: 1}), 400,
+         "logit_bias", "outside the vocabulary"),
     Http("chat stream_options without stream", CHAT,
          chat(stream_options={"include_usage": True}), 400, "stream_options"),
     Http("chat logit_bias over 100", CHAT, chat(logit_bias={"5": 101.0}), 400, "logit_bias"),
@@ -199,6 +223,12 @@ GRPC_ROWS = [
     Grpc("bad chat role",
          gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="wizard")])),
          BAD, "chat.messages[0].role"),
+    Grpc("tools_json nested too deeply",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user",
+                             content="hi")], tools_json=DEEP)), BAD, "nested deeper"),
+    Grpc("structured schema nested too deeply",
+         gpb.GenerateRequest(text="hi", sampling=sampling(structured=cpb.StructuredOutput(
+             kind="json_schema", value=DEEP, field="structured"))), BAD, "nested deeper"),
     Grpc("stop id past vocab",
          gpb.GenerateRequest(text="hi", sampling=sampling(stop_token_ids=[VOCAB])), BAD,
          "'stop_token_ids'"),
@@ -250,6 +280,8 @@ def _check_http(row: Http, r: httpx.Response) -> list[str]:
         return [f"{row.name}: 5xx {r.status_code} {r.text[:200]}"]
     if r.status_code != row.status:
         return [f"{row.name}: status {r.status_code} != {row.status}: {r.text[:200]}"]
+    if len(r.content) > 2048:
+        return [f"{row.name}: a {len(r.content)}-byte error body echoes the input"]
     if row.status == 405:
         return []
     try:
