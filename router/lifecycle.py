@@ -544,6 +544,8 @@ class RequestLifecycle:
         _raise_if_unauthenticated(worker, code)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             raise BadRequest(f"rejected by prefill worker: {details}")
+        if code is grpc.StatusCode.ABORTED:  # the KV handoff failed: count it with the transfers
+            self.transfers.append(pb.TransferRecord(outcome="failed", path="transferred"))
         handoff = code is grpc.StatusCode.ABORTED and worker.worker_id not in self._aborted_on
         if handoff:
             # computed, but the KV did not reach D (gone, or it gave the reservation up): the

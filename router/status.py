@@ -121,8 +121,12 @@ def _worker_view(w: WorkerState, track: _WorkerTrack | None, restarts: int | Non
             "prefills": s.num_prefills,
             "kv_transfer_failures": s.transfer_failures,
         }
-    else:  # not polled yet: the geometry it registered with
+    else:  # not polled yet: the geometry it registered with, and the common keys unknown
         used, total = 0, info.num_blocks
+        view |= dict.fromkeys(
+            ("running", "waiting", "prefix_cache_hit_rate", "batch_size", "step_time_ms",
+             "tokens_per_s", "kv_bytes_sent", "kv_bytes_received"),
+        )  # fmt: skip
     rate = track.rate() if track is not None else None
     view |= {
         "kv_blocks_used": used,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -62,7 +63,9 @@ T = TypeVar("T", bound=_Tensor)
 class FaultPlan:
     """What to break (see the module docstring). Times in seconds. The default breaks nothing.
 
-    Raises ValueError on a negative time or count, or an unknown ``kill_at`` phase.
+    Raises ValueError on a time that is not a finite number >= 0, a count that is not an
+    integer in [0, 2**31), a ``corrupt_payload`` that is not a boolean, or an unknown
+    ``kill_at`` phase.
     """
 
     kill_at: FaultPhase | None = None
@@ -80,11 +83,15 @@ class FaultPlan:
                 phases = [p.value for p in FaultPhase]
                 raise ValueError(f"kill_at must be one of {phases}, got {self.kill_at!r}") from None
         for name in ("stall_transfer_s", "get_stats_delay_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
         for name in ("drop_aborts", "count"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+                raise ValueError(f"{name} must be an integer in [0, 2**31), got {v!r}")
+        if not isinstance(self.corrupt_payload, bool):
+            raise ValueError(f"corrupt_payload must be true or false, got {self.corrupt_payload!r}")
 
     @property
     def is_empty(self) -> bool:

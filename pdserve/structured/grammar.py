@@ -289,8 +289,14 @@ class GrammarCompiler:
 
 
 def _first_line(message: str, limit: int = 300) -> str:
-    """The engine's error without its state dump: first line, at most ``limit`` characters."""
-    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """The engine's error without its state dump: first line, at most ``limit`` characters, and
+    when that line only introduces the cause (a regex parse error points at the spot on the next
+    lines, then says ``error: unclosed group``), that cause."""
+    lines = [s.strip() for s in message.strip().splitlines()] or ["unknown error"]
+    line = lines[0]
+    if line.endswith(":"):
+        cause = next((s for s in lines[1:] if s.startswith("error:")), "")
+        line = f"{line} {cause.removeprefix('error:').strip()}".rstrip(" :")
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 

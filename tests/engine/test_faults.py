@@ -28,10 +28,20 @@ def test_plan_from_dict_round_trips_and_names_bad_fields() -> None:
         FaultPlan.from_dict({"explode": True})
     with pytest.raises(ValueError, match="kill_at must be one of"):
         FaultPlan(kill_at="later")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="stall_transfer_s must be >= 0"):
+    with pytest.raises(ValueError, match="stall_transfer_s must be a finite number >= 0"):
         FaultPlan(stall_transfer_s=-1)
-    with pytest.raises(ValueError, match="drop_aborts must be >= 0"):
+    with pytest.raises(ValueError, match="drop_aborts must be an integer"):
         FaultPlan(drop_aborts=-1)
+    # JSON of the wrong type or range (the fault tester's bodies): a message, no Python text
+    for bad, says in (
+        ({"count": 1.5}, "count must be an integer"),
+        ({"count": "x"}, "count must be an integer"),
+        ({"drop_aborts": 2**70}, "drop_aborts must be an integer in"),
+        ({"stall_transfer_s": float("inf")}, "stall_transfer_s must be a finite number"),
+        ({"corrupt_payload": "yes"}, "corrupt_payload must be true or false"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            FaultPlan.from_dict(bad)
 
 
 def test_kill_fires_once_at_its_phase() -> None:

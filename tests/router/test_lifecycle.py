@@ -235,6 +235,8 @@ async def test_a_kv_handoff_failure_re_places_away_from_the_decode_worker() -> N
         prefill = c.pool.get("prefill-0")
         assert prefill is not None and prefill.healthy and prefill.failures == 0
         assert [len(d.requests) for d in c.decodes] == [1, 1]  # decode-0, then decode-1
+        # the failed handoff counts with the KV transfers (/v1/cluster/status, metrics)
+        assert [t.outcome for t in lc.transfers] == ["failed", "ok"]
     finally:
         await c.close()
 

@@ -114,6 +114,8 @@ HTTP_ROWS = [
          "nested deeper"),
     Http("chat required tool with a bad schema", CHAT,
          chat(tools=[BAD_SCHEMA_TOOL], tool_choice="required"), 400, "tools", "cannot be compiled"),
+    Http("cmpl regex that does not parse", CMPL, cmpl(guided_regex="(abc"), 400, "guided_regex",
+         "regex parse error: unclosed group"),
     Http("cmpl regex matching nothing", CMPL, cmpl(guided_regex="a[^\\s\\S]"), 400,
          "guided_regex", "matches no output"),
     Http("cmpl logit_bias key of 5000 digits", CMPL, cmpl(logit_bias={"9" * 5000: 1}), 400,

@@ -297,3 +297,18 @@ async def test_api_key_guards_the_status_api_not_the_page_shell(tokenizer: Token
         assert page.headers["x-request-id"].startswith("req-")
         bad = await client.get("/health", headers={"x-request-id": "bad id with spaces"})
         assert bad.headers["x-request-id"].startswith("req-")
+
+
+def test_a_worker_not_polled_yet_has_every_common_key() -> None:
+    """Right after a scale-up the worker has no stats yet: its entry still has the keys every
+    worker's has (null), so a client indexing them does not fail."""
+    from pdserve.worker_info import WorkerInfo
+    from router.pool import WorkerState
+    from router.status import _worker_view
+    from router.worker_client import WorkerClient
+
+    for role in ("prefill", "decode"):
+        info = WorkerInfo(f"{role}-9", role, "127.0.0.1:1", "", 64, 16)
+        view = _worker_view(WorkerState(client=WorkerClient(info, None)), None, None)
+        assert view["running"] is None and view["waiting"] is None
+        assert view["kv_blocks_total"] == 64 and view["kv_blocks_used"] == 0
