@@ -400,7 +400,9 @@ class EngineConfig:
 
 # The CPU default of --max-local-prefill-length: SmolLM2-135M fp32 on a 2-core Zen 1 EPYC, main
 # workload (256 in / 128 out, concurrency 16), disaggregated: 512 with min_prefill_queue_tokens
-# 512 gave 58-66 tok/s against 50-58 off (docs/benchmarks.md, sessions 27-28).
+# 512 gave 58-66 tok/s against 50-58 off (docs/benchmarks.md, sessions 27-28). That 512 counted
+# the router's prompts in flight on top of the worker's report that held them; with each prompt
+# counted once (router/pool.py, session 31) the same gate is about 256.
 CPU_MAX_LOCAL_PREFILL_LENGTH = 512
 
 
@@ -447,7 +449,7 @@ class ServeConfig:
     # min_prefill_queue_tokens prompt tokens queued; 0 = always on a prefill worker. The flag's
     # default is chosen by default_local_prefill_length (on for CPU decode workers).
     max_local_prefill_length: int = 0
-    min_prefill_queue_tokens: int = 512
+    min_prefill_queue_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_local_prefill_length < 0:

@@ -86,7 +86,7 @@ class LifecycleConfig:
     block_size: int = 16
     unified: bool = False
     max_local_prefill_length: int = 0
-    min_prefill_queue_tokens: int = 512
+    min_prefill_queue_tokens: int = 256
     accept_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     kv_timeout_s: float = 0.0

@@ -230,7 +230,7 @@ def test_conditional_disaggregation_default_follows_the_decode_device() -> None:
     assert default_local_prefill_length([""]) == 0  # a worker that did not report its device
     plan = serve.build_plan(parse("serve", "--device", "cpu"))
     assert plan.serve.max_local_prefill_length == 512
-    assert plan.serve.min_prefill_queue_tokens == 512
+    assert plan.serve.min_prefill_queue_tokens == 256
     args = parse("serve", "--device", "cpu", "--max-local-prefill-length", "0")
     assert serve.build_plan(args).serve.max_local_prefill_length == 0
     assert serve.max_local_prefill_length(parse("serve", "--device", "cpu"), "cuda") == 0
@@ -248,7 +248,7 @@ def test_ready_lines_say_when_conditional_disaggregation_is_on(
     out = capsys.readouterr().out
     assert out.startswith("[pdserve] ready: model")
     assert (
-        "prompts of <= 512 tokens" in out and "behind >= 512 tokens on every prefill worker" in out
+        "prompts of <= 512 tokens" in out and "behind >= 256 tokens on every prefill worker" in out
     )
     assert "--max-local-prefill-length 0: off" in out
     for extra in (["--max-local-prefill-length", "0"], ["--mode", "unified"]):
