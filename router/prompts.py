@@ -200,9 +200,9 @@ class PromptPreparer:
     ) -> None:
         """Compile ``spec`` against the tokenizer (cached per spec) so a spec the grammar engine
         cannot compile, or whose first token mask takes longer than ``max_mask_ms``, is a 400
-        naming its field before any worker sees it, as is a spec that allows no first token but
-        EOS while the empty output does not match it (it matches no output, e.g. the regex
-        ``a[^\\s\\S]``); so is ``allowed_token_ids`` (vLLM's
+        naming its field before any worker sees it. So is a spec that matches no output: it
+        allows no first token but EOS while the empty output does not match it (the regex
+        ``a[^\\s\\S]``; llguidance then allows EOS alone). So is ``allowed_token_ids`` (vLLM's
         extension) holding none of the tokens the grammar allows first, a request no output can
         satisfy (past token 1 the grammar wins over it, as over ``logit_bias``; see
         :mod:`pdserve.sampling_masks`). Raises BadRequest."""
