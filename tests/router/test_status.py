@@ -299,7 +299,7 @@ async def test_api_key_guards_the_status_api_not_the_page_shell(tokenizer: Token
         assert bad.headers["x-request-id"].startswith("req-")
 
 
-def test_a_worker_not_polled_yet_has_every_common_key() -> None:
+async def test_a_worker_not_polled_yet_has_every_common_key() -> None:
     """Right after a scale-up the worker has no stats yet: its entry still has the keys every
     worker's has (null), so a client indexing them does not fail."""
     from pdserve.worker_info import WorkerInfo
@@ -309,6 +309,8 @@ def test_a_worker_not_polled_yet_has_every_common_key() -> None:
 
     for role in ("prefill", "decode"):
         info = WorkerInfo(f"{role}-9", role, "127.0.0.1:1", "", 64, 16)
-        view = _worker_view(WorkerState(client=WorkerClient(info, None)), None, None)
+        client = WorkerClient(info, None)  # a grpc.aio channel: made in the running loop
+        view = _worker_view(WorkerState(client=client), None, None)
+        await client.close()
         assert view["running"] is None and view["waiting"] is None
         assert view["kv_blocks_total"] == 64 and view["kv_blocks_used"] == 0
