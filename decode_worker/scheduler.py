@@ -12,8 +12,8 @@ arrived at its router, so a re-placed sequence keeps its place) up to ``max_num_
 every decoding sequence one token (preempting the newest running sequence when no block is
 free), then prefill chunks of local prefills (one chunk per step while decodes run);
 ``update_from_output`` appends the sampled tokens and applies the stop check. With
-``prefill_thread`` (see DecodeEngine), local prompts skip the decode steps instead: ``schedule_prefill`` / ``update_prefill`` plan and apply the steps of
-the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
+``prefill_thread`` (see DecodeEngine), local prompts skip the decode steps instead:
+``schedule_prefill`` / ``update_prefill`` plan and apply the steps of the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
 prompt whose last chunk sampled token 1 joins the waiting queue like a remote prompt whose KV
 arrived. The two kinds of step touch disjoint sequences. While fewer sequences decode than local
 prompts wait (a burst of new prompts, such as a closed loop of clients that all start over at
