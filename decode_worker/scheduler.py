@@ -8,18 +8,18 @@ Lifecycle of one sequence (DESIGN §4; the policy in full is in docs/worker_core
 
 ``add_request`` reserves KV for the whole prompt at once, leaving an admission watermark free;
 ``schedule`` admits waiting sequences in arrival order (``queue_by_arrival``: when each first
-arrived at its router, so a re-placed sequence keeps its place) up to ``max_num_seqs``, gives
-every decoding sequence one token (preempting the newest running sequence when no block is
-free), then prefill chunks of local prefills (one chunk per step while decodes run);
-``update_from_output`` appends the sampled tokens and applies the stop check. With
-``prefill_thread`` (see DecodeEngine), local prompts skip the decode steps instead:
-``schedule_prefill`` / ``update_prefill`` plan and apply the steps of the engine's prefill thread, which computes prompt chunks concurrently with the decode steps, and a
-prompt whose last chunk sampled token 1 joins the waiting queue like a remote prompt whose KV
-arrived. The two kinds of step touch disjoint sequences. While fewer sequences decode than local
-prompts wait (a burst of new prompts, such as a closed loop of clients that all start over at
-once), a decode step also takes chunks of the prompts the prefill thread is not computing, up to
-the prefill step budget, so both threads prefill until the batch fills again. Events and
-released transfer ids go to an outbox (``drain``).
+arrived at its router, so a re-placed sequence keeps its place) up to ``max_num_seqs``, gives every
+decoding sequence one token (preempting the newest running sequence when no block is free), then
+prefill chunks of local prefills (one chunk per step while decodes run); ``update_from_output``
+appends the sampled tokens and applies the stop check. With ``prefill_thread`` (see DecodeEngine),
+local prompts skip the decode steps instead: ``schedule_prefill`` / ``update_prefill`` plan and
+apply the steps of the engine's prefill thread, which computes prompt chunks concurrently with the
+decode steps, and a prompt whose last chunk sampled token 1 joins the waiting queue like a remote
+prompt whose KV arrived. The two kinds of step touch disjoint sequences. While fewer sequences
+decode than local prompts wait (a burst of new prompts, such as a closed loop of clients that all
+start over at once), a decode step also takes chunks of the prompts the prefill thread is not
+computing, up to the prefill step budget, so both threads prefill until the batch fills again.
+Events and released transfer ids go to an outbox (``drain``).
 Structured output: a sequence's grammar matcher is advanced over token 1 when its KV arrives (the
 sampler advances it over tokens sampled here); a local prefill asking for prompt logprobs skips
 the prefix-cache lookup and gathers them chunk by chunk for its first TokensEvent.
