@@ -19,6 +19,7 @@ from pdserve import json_text
 from pdserve.structured.spec import StructuredOutputSpec
 from router.errors import BadRequest
 from router.tool_parsers import (
+    CallDelta,
     ParsedOutput,
     StreamingToolParser,
     ToolCall,
@@ -90,11 +91,12 @@ class ToolStream:
     """Streaming :meth:`ToolSetup.split` for one choice: ``feed``/``finish`` return (content
     now, ``tool_calls`` delta entries now, in OpenAI's streamed form with their ``index``).
 
-    A named choice streams its one call's arguments as they are generated, as OpenAI and vLLM
-    do: the first entry carries the call's id, type and name with the first piece of the
-    arguments, later ones ``{"index": 0, "function": {"arguments": piece}}``. The pieces join to
-    the generated JSON text as is (the whole response re-serialises it; both parse alike).
-    ``required`` and ``auto`` send each call whole once parsed.
+    Calls stream as they are generated, as OpenAI and vLLM do: a call's first entry carries its
+    id, type and name (with the first piece of its arguments, if any), later ones
+    ``{"index": i, "function": {"arguments": piece}}``. The pieces join to the generated JSON
+    text as is (the whole response re-serialises it; both parse alike). A named choice's output
+    is its one call's arguments; ``auto`` and ``required`` go through the template family's
+    parser (:class:`router.tool_parsers.StreamingToolParser`).
     """
 
     def __init__(self, setup: ToolSetup) -> None:
@@ -107,31 +109,31 @@ class ToolStream:
                 "json" if setup.mode == "required" else setup.parser, setup.parallel
             )
         )
-        self.num_calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        """Calls begun so far (their first entry sent)."""
+        if self._parser is None:
+            return 0 if self._named_id is None else 1
+        return self._parser.num_calls
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self._parser is None:
             return "", self._named_piece(text) if text else []
-        content, calls = self._parser.feed(text)
-        return content, self._whole(calls)
+        content, deltas = self._parser.feed(text)
+        return content, [d.to_openai() for d in deltas]
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._parser is None:
             return "", self._named_piece("") if self._named_id is None else []
-        content, calls = self._parser.finish()
-        return content, self._whole(calls)
+        content, deltas = self._parser.finish()
+        return content, [d.to_openai() for d in deltas]
 
     def _named_piece(self, text: str) -> list[dict[str, Any]]:
         if self._named_id is not None:
-            return [{"index": 0, "function": {"arguments": text}}]
+            return [CallDelta(0, text).to_openai()]
         self._named_id = new_call_id()
-        self.num_calls = 1
-        return [ToolCall(self.setup.name or "", text, self._named_id).to_openai(0)]
-
-    def _whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        first = self.num_calls
-        self.num_calls += len(calls)
-        return [c.to_openai(first + j) for j, c in enumerate(calls)]
+        return [CallDelta(0, text, self.setup.name or "", self._named_id).to_openai()]
 
 
 def _named_call(name: str, text: str) -> ToolCall:

@@ -10,14 +10,18 @@ a parser turns that text into OpenAI ``tool_calls`` and the remaining ``content`
   ``parameters`` for the arguments) — what a model without special markup writes, and the shape
   the ``required`` tool choice is constrained to.
 
-A call whose JSON does not parse, or lacks a string ``name``, stays in the content: nothing the
-model wrote is lost. :func:`select_parser` picks ``hermes`` when the chat template mentions
-``<tool_call>`` and ``json`` otherwise, unless ``--tool-call-parser`` names one.
+An object at the call level (the body's own object, or an array's items) with a string
+``name`` is a call; its ``arguments`` (or ``parameters``) is the call's arguments, and a call
+without them has ``{}``. A region in which no call is found (text that is not JSON, JSON with
+no ``name``) stays in the content: nothing the model wrote is lost. :func:`select_parser` picks
+``hermes`` when the chat template mentions ``<tool_call>`` and ``json`` otherwise, unless
+``--tool-call-parser`` names one.
 
 Streaming (:class:`StreamingToolParser`): content is passed on as it arrives, holding back only
-text that may be the start of a ``<tool_call>`` tag; a call is emitted whole (id, name and full
-``arguments``) once its closing tag arrives, which OpenAI's streaming format allows (clients
-concatenate ``arguments`` fragments, here one fragment).
+text that may be the start of a ``<tool_call>`` tag; a call is passed on as it is generated, as
+vLLM's tool parsers and OpenAI's streaming format do: its id and name once the name is complete,
+then its arguments text piece by piece (clients concatenate the ``arguments`` fragments). The
+whole-text :func:`parse` runs the same parser, so both add up to the same calls.
 
 Tool-choice schemas (:func:`required_schema`, :func:`named_schema`): ``required`` constrains the
 output to a JSON array of calls to the offered functions, each validated against its parameters
@@ -30,7 +34,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve import json_text
@@ -71,104 +75,247 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def call_from_json(obj: Any) -> ToolCall | None:
-    """A ToolCall from a decoded JSON call object, or None when it is not one."""
-    if not isinstance(obj, Mapping) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as JSON text already
+def parse(parser: str, text: str, parallel: bool = True) -> ParsedOutput:
+    """Split ``text`` with the named parser (one of TOOL_PARSERS): :class:`StreamingToolParser`
+    fed the whole text, so a streamed response adds up to the same calls. ``parallel``: keep
+    every call (False keeps the first). Raises ValueError for an unknown parser name."""
+    stream = StreamingToolParser(parser, parallel)
+    content, deltas = stream.feed(text)
+    more, late = stream.finish()
+    content += more
+    return ParsedOutput(content if content.strip() else None, tuple(join_deltas(deltas + late)))
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of one streamed call: ``arguments`` text to append to call ``index``; the call's
+    first delta also carries its ``id`` and ``name``."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI streamed ``tool_calls`` entry: id, type and name on a call's first."""
+        fn: dict[str, Any] = {"arguments": self.arguments}
+        if self.name is None:
+            return {"index": self.index, "function": fn}
+        fn = {"name": self.name, **fn}
+        return {"index": self.index, "id": self.id, "type": "function", "function": fn}
+
+
+def join_deltas(deltas: Sequence[CallDelta]) -> list[ToolCall]:
+    """The whole calls a delta stream adds up to, in index order. Arguments that parse as a
+    JSON object are re-serialised (``json.dumps``, as the whole response's form); others (cut
+    off by max_tokens) are kept as generated."""
+    calls: dict[int, list[Any]] = {}
+    for d in deltas:
+        if d.name is not None:
+            calls[d.index] = [d.name, d.id or "", []]
+        calls[d.index][2].append(d.arguments)
+    out = []
+    for index in sorted(calls):
+        name, call_id, pieces = calls[index]
+        args = "".join(pieces)
         try:
-            args = json_text.loads(args)
+            obj = json_text.loads(args)
         except ValueError:
-            return None
-    if not isinstance(args, Mapping):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+            obj = None
+        if isinstance(obj, Mapping):
+            args = json.dumps(obj, ensure_ascii=False)
+        out.append(ToolCall(name, args, call_id))
+    return out
 
 
-def _strip_fence(text: str) -> str:
-    t = text.strip()
-    if t.startswith("```"):
-        t = t.split("\n", 1)[1] if "\n" in t else ""
-        if t.rstrip().endswith("```"):
-            t = t.rstrip()[:-3]
-    return t.strip()
+@dataclass
+class _Call:
+    """One call object being read: its name and arguments value as written (JSON text)."""
+
+    name_raw: list[str] = field(default_factory=list)
+    name: str | None = None
+    args_raw: list[str] = field(default_factory=list)
+    args_kind: str = ""  # "" (none yet), "box" (object/array), "str" or "scalar"
+    args_closed: bool = False
+    closed: bool = False
+    done: bool = False  # its arguments passed on in full
+    index: int | None = None  # the stream's call index once it is passed on
+    sent: int = 0  # characters of args_raw passed on
 
 
-def parse_json_calls(text: str) -> list[ToolCall] | None:
-    """Calls from text that is wholly a JSON call object or array of them; None otherwise."""
+class _CallScanner:
+    """Call objects in JSON text that grows piece by piece (one hermes ``<tool_call>`` body, or
+    the json parser's whole output): a call object, an array of them, or several in a row,
+    optionally in a ``` fence. An object at that level with a string ``name`` is a call; its
+    ``arguments`` (or ``parameters``, whichever comes first) value is kept as written, so it can
+    be passed on while it grows. A character-level JSON lexer (strings, escapes, nesting):
+    O(1) per character, so a long call costs no re-parse per token."""
+
+    def __init__(self) -> None:
+        self.objects: list[_Call] = []  # call-level objects, named or not (yet)
+        self.is_json: bool | None = None  # None until the first non-space character
+        self._fence = False  # skipping a fence's opening line
+        self._stack: list[str] = []
+        self._in_str = False
+        self._esc = False
+        self._call: _Call | None = None  # the call-level object open now
+        self._depth = 0  # len(_stack) inside it
+        self._expect = ""  # at the call level: "key", "colon", "value", "in" (a value), "comma"
+        self._key: list[str] | None = None  # the key being read, as written
+        self._last_key = ""
+        self._sink: list[str] | None = None  # where the captured value's characters go
+        self._sink_kind = ""
+
+    def feed(self, text: str) -> None:
+        for ch in text:
+            self._char(ch)
+
+    def _level(self) -> bool:
+        return self._call is not None and len(self._stack) == self._depth
+
+    def _put(self, ch: str) -> None:
+        if self._sink is not None:
+            self._sink.append(ch)
+        if self._key is not None:
+            self._key.append(ch)
+
+    def _char(self, ch: str) -> None:
+        if self.is_json is False:
+            return
+        if self._fence:
+            self._fence = ch != "\n"
+            return
+        if self.is_json is None:
+            if ch.isspace():
+                return
+            if ch == "`":
+                self._fence = True
+                return
+            self.is_json = ch in "{["
+            if not self.is_json:
+                return
+        if self._in_str:
+            self._put(ch)
+            if self._esc:
+                self._esc = False
+            elif ch == "\\":
+                self._esc = True
+            elif ch == '"':
+                self._in_str = False
+                if self._level():
+                    self._string_end()
+            return
+        if self._sink_kind == "scalar" and (ch.isspace() or ch in ",}]"):
+            self._value_end()
+        if ch.isspace():
+            self._put(ch)
+            return
+        if self._level() and self._expect == "value":
+            self._value_start(ch)
+        self._put(ch)
+        if ch == '"':
+            self._in_str = True
+            if self._level() and self._expect == "key":
+                self._key = ['"']
+        elif ch in "{[":
+            self._stack.append(ch)
+            top = self._stack[0] == "[" and len(self._stack) == 2
+            if ch == "{" and self._call is None and (len(self._stack) == 1 or top):
+                self._call = _Call()
+                self.objects.append(self._call)
+                self._depth = len(self._stack)
+                self._expect = "key"
+        elif ch in "}]":
+            if self._stack:
+                self._stack.pop()
+            if self._sink_kind == "box" and self._level():
+                self._value_end()
+            elif self._call is not None and len(self._stack) < self._depth:
+                self._call.closed = True
+                self._call = None
+        elif self._level() and ch == ":" and self._expect == "colon":
+            self._expect = "value"
+        elif self._level() and ch == ",":
+            self._expect = "key"
+
+    def _string_end(self) -> None:
+        assert self._call is not None
+        if self._key is not None:
+            raw, self._key = "".join(self._key), None
+            self._last_key = _decode(raw) or ""
+            self._expect = "colon"
+        elif self._sink_kind == "str":
+            if self._sink is self._call.name_raw:
+                name = _decode("".join(self._call.name_raw))
+                self._call.name = name if isinstance(name, str) and name else None
+            self._value_end()
+
+    def _value_start(self, ch: str) -> None:
+        assert self._call is not None
+        self._expect = "in"
+        key, call = self._last_key, self._call
+        if key == "name" and ch == '"' and call.name is None and not call.name_raw:
+            self._sink, self._sink_kind = call.name_raw, "str"
+        elif key in ("arguments", "parameters") and not call.args_kind:
+            kind = "str" if ch == '"' else "box" if ch in "{[" else "scalar"
+            self._sink, self._sink_kind, call.args_kind = call.args_raw, kind, kind
+
+    def _value_end(self) -> None:
+        if self._call is not None and self._sink is self._call.args_raw:
+            self._call.args_closed = True
+        self._sink, self._sink_kind, self._expect = None, "", "comma"
+
+
+def _decode(raw: str) -> Any:
     try:
-        obj = json_text.loads(_strip_fence(text))
+        return json.loads(raw)
     except ValueError:
         return None
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [call_from_json(o) for o in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
-
-
-def parse(parser: str, text: str, parallel: bool = True) -> ParsedOutput:
-    """Split ``text`` with the named parser (one of TOOL_PARSERS). ``parallel``: keep every
-    call (False keeps the first). Raises ValueError for an unknown parser name."""
-    if parser == "json":
-        calls = parse_json_calls(text)
-        if calls is None:
-            return ParsedOutput(text, ())
-        return ParsedOutput(None, tuple(calls if parallel else calls[:1]))
-    if parser != "hermes":
-        raise ValueError(f"unknown tool call parser {parser!r}; one of {TOOL_PARSERS}")
-    stream = StreamingToolParser("hermes", parallel)
-    content, calls = stream.feed(text)
-    more_content, more_calls = stream.finish()
-    content += more_content
-    return ParsedOutput(content if content.strip() else None, tuple(calls + more_calls))
 
 
 class StreamingToolParser:
     """Incremental :func:`parse` for one choice: :meth:`feed` text pieces, then :meth:`finish`.
-    Each returns (content to send now, calls completed now)."""
+    Each returns (content to send now, :class:`CallDelta` s now).
+
+    A call is passed on as it is generated: its first delta (id and name) once its ``name``
+    string is complete, then its ``arguments`` text piece by piece as written (an arguments
+    value written as a JSON string is decoded and passed on whole when it closes). So the calls
+    a stream adds up to (:func:`join_deltas`) are the whole parse's, whatever the cuts: a call
+    cut off by max_tokens keeps the arguments generated, and an array's items or trailing text
+    that are not calls are dropped once a region holds a call. A region in which no call was
+    found is content, as written (the tags included)."""
 
     def __init__(self, parser: str, parallel: bool = True) -> None:
         if parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {parser!r}; one of {TOOL_PARSERS}")
         self.parser = parser
         self.parallel = parallel
-        self._buf = ""  # text not yet passed on
-        self._in_call = False
-        self._json_mode: bool | None = None  # json parser: output starts like JSON
+        self._buf = ""  # hermes: text not yet passed on or scanned
+        self._region: list[str] = []  # the open call region's text (its fallback content)
+        self._scanner: _CallScanner | None = None  # the open call region, if any
         self.num_calls = 0
+        if parser == "json":
+            self._scanner = _CallScanner()
 
-    def _take(self, calls: list[ToolCall]) -> list[ToolCall]:
-        if not self.parallel:
-            calls = calls[: max(0, 1 - self.num_calls)]
-        self.num_calls += len(calls)
-        return calls
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Consume ``text``; return the content that is certainly not a call, and new calls."""
-        self._buf += text
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """Consume ``text``; return the content that is certainly not a call, and call deltas."""
         if self.parser == "json":
-            if self._json_mode is None and self._buf.strip():
-                self._json_mode = self._buf.lstrip()[0] in "{[`"
-            if self._json_mode is False:
-                out, self._buf = self._buf, ""
-                return out, []
-            return "", []
+            return self._feed_json(text)
+        self._buf += text
         content: list[str] = []
-        calls: list[ToolCall] = []
+        deltas: list[CallDelta] = []
         while True:
-            if self._in_call:
+            if self._scanner is not None:
                 end = self._buf.find(TOOL_CALL_END)
+                cut = (
+                    end if end >= 0 else len(self._buf) - _partial_tag_len(self._buf, TOOL_CALL_END)
+                )
+                self._scan(self._buf[:cut], deltas)
+                self._buf = self._buf[cut:]
                 if end < 0:
                     break
-                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END) :]
-                self._in_call = False
-                call = parse_json_calls(body)
-                if call is None:  # not a call after all: keep the text
-                    content.append(TOOL_CALL_START + body + TOOL_CALL_END)
-                else:
-                    calls.extend(call)
+                self._buf = self._buf[len(TOOL_CALL_END) :]
+                content.append(self._close_region(deltas, TOOL_CALL_END))
                 continue
             start = self._buf.find(TOOL_CALL_START)
             if start < 0:
@@ -178,24 +325,99 @@ class StreamingToolParser:
                 break
             content.append(self._buf[:start])
             self._buf = self._buf[start + len(TOOL_CALL_START) :]
-            self._in_call = True
-        return "".join(content), self._take(calls)
+            self._scanner, self._region = _CallScanner(), [TOOL_CALL_START]
+        return "".join(content), _merge(deltas)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """End of output: parse what is held (an unclosed call, JSON output) or release it."""
-        buf, self._buf = self._buf, ""
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """End of output: close what is open (an unclosed call, JSON output) or release it."""
+        deltas: list[CallDelta] = []
         if self.parser == "json":
-            if not self._json_mode:
-                return buf, []
-            calls = parse_json_calls(buf)
-            return ("", self._take(calls)) if calls is not None else (buf, [])
-        if self._in_call:
-            self._in_call = False
-            calls = parse_json_calls(buf)
-            if calls is not None:
-                return "", self._take(calls)
-            return TOOL_CALL_START + buf, []
-        return buf, []
+            content = self._close_region(deltas, "") if self._scanner is not None else ""
+            return content, _merge(deltas)
+        buf, self._buf = self._buf, ""
+        if self._scanner is None:
+            return buf, []
+        self._scan(buf, deltas)
+        return self._close_region(deltas, ""), _merge(deltas)
+
+    def _feed_json(self, text: str) -> tuple[str, list[CallDelta]]:
+        scanner = self._scanner
+        if scanner is None:  # output that did not start like JSON: content
+            return text, []
+        deltas: list[CallDelta] = []
+        self._scan(text, deltas)
+        if scanner.is_json is False:
+            self._scanner = None
+            return "".join(self._region), []
+        return "", _merge(deltas)
+
+    def _scan(self, text: str, deltas: list[CallDelta]) -> None:
+        assert self._scanner is not None
+        self._region.append(text)
+        self._scanner.feed(text)
+        self._pass_on(deltas, final=False)
+
+    def _pass_on(self, deltas: list[CallDelta], final: bool) -> None:
+        """Deltas for what the open region's calls gained; ``final``: the region ended."""
+        assert self._scanner is not None
+        for call in self._scanner.objects:
+            if call.name is None:
+                if call.closed or final:
+                    continue  # not a call
+                break  # its name may come yet: later calls wait for it
+            if call.index is None:
+                if not self.parallel and self.num_calls:
+                    continue
+                call.index = self.num_calls
+                self.num_calls += 1
+                deltas.append(CallDelta(call.index, "", call.name, new_call_id()))
+            piece = _args_piece(call, final)
+            if piece:
+                deltas.append(CallDelta(call.index, piece))
+
+    def _close_region(self, deltas: list[CallDelta], tag: str) -> str:
+        """End the open region: its calls' last deltas, or its text as content when it held
+        no call (``tag``: the closing tag that ended it, if any)."""
+        assert self._scanner is not None
+        self._pass_on(deltas, final=True)
+        held_call = any(o.name is not None for o in self._scanner.objects)
+        region, self._region, self._scanner = "".join(self._region) + tag, [], None
+        return "" if held_call else region
+
+
+def _args_piece(call: _Call, final: bool) -> str:
+    """What ``call``'s arguments gained since last passed on ("" when nothing yet): an object
+    streams as written; a JSON-string value is decoded (and re-serialised when it holds a JSON
+    object) once it closes; no arguments at all is ``{}`` once the call ends."""
+    if call.done:
+        return ""
+    if call.args_kind == "box":
+        piece = "".join(call.args_raw[call.sent :])
+        call.sent, call.done = len(call.args_raw), call.args_closed
+        return piece
+    if not (call.args_closed or call.closed or final):
+        return ""
+    call.done = True
+    raw = "".join(call.args_raw)
+    if call.args_kind == "str" and call.args_closed:
+        text = _decode(raw)
+        try:
+            obj = json_text.loads(text)
+        except ValueError:
+            return str(text)
+        return json.dumps(obj, ensure_ascii=False) if isinstance(obj, Mapping) else str(text)
+    return raw if call.args_kind else "{}"
+
+
+def _merge(deltas: list[CallDelta]) -> list[CallDelta]:
+    """Consecutive deltas of one call as one (a call's header and first pieces in one entry)."""
+    out: list[CallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.name is None:
+            out[-1] = replace(out[-1], arguments=out[-1].arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
 
 
 def _partial_tag_len(text: str, tag: str) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from router.tool_parsers import (
     StreamingToolParser,
+    join_deltas,
     named_schema,
     parse,
     required_schema,
@@ -76,26 +77,93 @@ def test_json_parser() -> None:
         assert out.tool_calls == () and out.content == text
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    cuts=st.lists(st.integers(0, len(HERMES)), max_size=12),
-    parser=st.sampled_from(["hermes", "json"]),
+CUT_TEXTS = (
+    HERMES,
+    '[{"name": "get_time", "arguments": {}}]',
+    "no calls <tool_ here",
+    '<tool_call>{"arguments": {"city": "Nice"}, "name": "get_weather"}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Lyon\\"}"}</tool_call>',
+    '<tool_call>{"name": "get_w\\u00e9ather", "arguments": {"q": "}</tool_call>{\\""}}',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+    '```json\n[{"name": "get_time"}, {"name": "get_weather", "parameters": {"days": [1, 2]}}]\n```',
 )
-def test_streaming_equals_whole(cuts: list[int], parser: str) -> None:
-    for text in (HERMES, '[{"name": "get_time", "arguments": {}}]', "no calls <tool_ here"):
+
+
+def _run(parser: str, text: str, bounds: list[int], parallel: bool = True):  # type: ignore[no-untyped-def]
+    s = StreamingToolParser(parser, parallel)
+    content, deltas = "", []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        c, d = s.feed(text[a:b])
+        content, deltas = content + c, deltas + d
+    c, d = s.finish()
+    return content + c, deltas + d
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+    parser=st.sampled_from(["hermes", "json"]),
+    parallel=st.booleans(),
+)
+def test_streaming_equals_whole(cuts: list[int], parser: str, parallel: bool) -> None:
+    """However the output is cut into pieces, the stream adds up to the whole parse: the same
+    content and calls, each call's first delta naming it and the rest only adding arguments."""
+    for text in CUT_TEXTS:
         bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-        s = StreamingToolParser(parser)
-        content, names = "", []
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            c, calls = s.feed(text[a:b])
-            content += c
-            names += [(x.name, x.arguments) for x in calls]
-        c, calls = s.finish()
-        content += c
-        names += [(x.name, x.arguments) for x in calls]
-        whole = parse(parser, text)
+        content, deltas = _run(parser, text, bounds, parallel)
+        whole = parse(parser, text, parallel)
         assert (content if content.strip() else None) == whole.content
-        assert names == [(x.name, x.arguments) for x in whole.tool_calls]
+        joined = join_deltas(deltas)
+        assert [(c.name, c.arguments) for c in joined] == [
+            (c.name, c.arguments) for c in whole.tool_calls
+        ]
+        seen: set[int] = set()
+        for d in deltas:
+            assert (d.name is not None) == (d.index not in seen), deltas
+            seen.add(d.index)
+        assert sorted(seen) == list(range(len(seen)))
+
+
+def test_calls_stream_as_generated() -> None:
+    """A call's id and name go out once the name is complete, its arguments piece by piece as
+    written (token-sized pieces, as a model generates them)."""
+    text = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+    )
+    s = StreamingToolParser("hermes")
+    out = [s.feed(text[i : i + 4]) for i in range(0, len(text), 4)] + [s.finish()]
+    deltas = [d for _, ds in out for d in ds]
+    assert all(c == "" for c, _ in out)
+    first = deltas[0]
+    assert first.name == "get_weather" and first.id and first.id.startswith("call_")
+    assert len(deltas) > 5  # the arguments came in many pieces, not whole at the end
+    assert "".join(d.arguments for d in deltas) == '{"city": "Paris", "days": 3}'
+    # the header went out before the arguments were complete
+    pieces_before = [i for i, (_, ds) in enumerate(out) if ds][0]
+    assert pieces_before < len(text) // 4 // 2
+    wire = first.to_openai()
+    assert wire["type"] == "function" and wire["function"]["name"] == "get_weather"
+    assert deltas[1].to_openai() == {"index": 0, "function": {"arguments": deltas[1].arguments}}
+
+
+def test_cut_and_odd_calls() -> None:
+    """A call cut off by max_tokens keeps the arguments generated; arguments written as JSON
+    text are decoded; a call without arguments has {}; JSON that is not a call is content; with
+    parallel_tool_calls false only the first call counts."""
+    out = parse("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Ro')
+    assert out.content is None and [(c.name, c.arguments) for c in out.tool_calls] == [
+        ("get_weather", '{"city": "Ro')
+    ]
+    out = parse("json", '{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}')
+    assert _calls(out) == [("get_time", {"tz": "UTC"})]
+    out = parse("json", '[{"name": "get_time"}, {"name": "get_weather", "arguments": {"a": [1]}}]')
+    assert _calls(out) == [("get_time", {}), ("get_weather", {"a": [1]})]
+    assert _calls(parse("json", '[{"name": "get_time"}, {"name": "x"}]', parallel=False)) == [
+        ("get_time", {})
+    ]
+    for text in ('{"city": "Oslo", "days": {"name": "x"}}', '[{"a": 1}]', "{broken"):
+        out = parse("json", text)
+        assert out.tool_calls == () and out.content == text
 
 
 def test_streaming_holds_back_only_a_possible_tag() -> None:
