@@ -80,7 +80,17 @@ class ToolSetup:
             return ParsedOutput(text, ())
         if self.mode == "named":
             return ParsedOutput(None, (_named_call(self.name or "", text),))
-        return parse("json" if self.mode == "required" else self.parser, text, self.parallel)
+        parser = "json" if self.mode == "required" else self.parser
+        return parse(parser, text, self.parallel, self.call_names)
+
+    @property
+    def call_names(self) -> frozenset[str] | None:
+        """The names an ``auto`` json-parser call must have (the offered functions): without
+        markup, a JSON answer with a ``name`` key is a call only when it names a tool. None
+        (any name) for hermes, whose tags mark calls, and ``required``, constrained to them."""
+        if self.mode != "auto" or self.parser != "json":
+            return None
+        return frozenset(t["function"]["name"] for t in self.tools)
 
     def streamer(self) -> ToolStream | None:
         """A per-choice streaming splitter (None for ``none``: content passes through)."""
@@ -106,7 +116,9 @@ class ToolStream:
             None
             if setup.mode == "named"
             else StreamingToolParser(
-                "json" if setup.mode == "required" else setup.parser, setup.parallel
+                "json" if setup.mode == "required" else setup.parser,
+                setup.parallel,
+                setup.call_names,
             )
         )
 

@@ -8,7 +8,8 @@ a parser turns that text into OpenAI ``tool_calls`` and the remaining ``content`
   the tags is content.
 * ``json``: the whole output is one JSON call object or a JSON array of them (``arguments`` or
   ``parameters`` for the arguments) — what a model without special markup writes, and the shape
-  the ``required`` tool choice is constrained to.
+  the ``required`` tool choice is constrained to. Without tags to mark a call, ``auto`` takes
+  an object for a call only when it names an offered function.
 
 An object at the call level (the body's own object, or an array's items) with a string
 ``name`` is a call; its ``arguments`` (or ``parameters``) is the call's arguments, and a call
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -75,11 +76,14 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse(parser: str, text: str, parallel: bool = True) -> ParsedOutput:
+def parse(
+    parser: str, text: str, parallel: bool = True, names: Collection[str] | None = None
+) -> ParsedOutput:
     """Split ``text`` with the named parser (one of TOOL_PARSERS): :class:`StreamingToolParser`
     fed the whole text, so a streamed response adds up to the same calls. ``parallel``: keep
-    every call (False keeps the first). Raises ValueError for an unknown parser name."""
-    stream = StreamingToolParser(parser, parallel)
+    every call (False keeps the first); ``names``: when given, only an object naming one of
+    these functions is a call. Raises ValueError for an unknown parser name."""
+    stream = StreamingToolParser(parser, parallel, names)
     content, deltas = stream.feed(text)
     more, late = stream.finish()
     content += more
@@ -283,13 +287,18 @@ class StreamingToolParser:
     a stream adds up to (:func:`join_deltas`) are the whole parse's, whatever the cuts: a call
     cut off by max_tokens keeps the arguments generated, and an array's items or trailing text
     that are not calls are dropped once a region holds a call. A region in which no call was
-    found is content, as written (the tags included)."""
+    found is content, as written (the tags included). ``names``: when given, an object whose
+    name is not one of them is not a call (the json parser's guard against JSON content that
+    happens to have a ``name`` key, such as a person record)."""
 
-    def __init__(self, parser: str, parallel: bool = True) -> None:
+    def __init__(
+        self, parser: str, parallel: bool = True, names: Collection[str] | None = None
+    ) -> None:
         if parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {parser!r}; one of {TOOL_PARSERS}")
         self.parser = parser
         self.parallel = parallel
+        self.names = names
         self._buf = ""  # hermes: text not yet passed on or scanned
         self._region: list[str] = []  # the open call region's text (its fallback content)
         self._scanner: _CallScanner | None = None  # the open call region, if any
@@ -361,6 +370,8 @@ class StreamingToolParser:
         """Deltas for what the open region's calls gained; ``final``: the region ended."""
         assert self._scanner is not None
         for call in self._scanner.objects:
+            if call.name is not None and self.names is not None and call.name not in self.names:
+                call.name = None  # names no offered function: not a call
             if call.name is None:
                 if call.closed or final:
                     continue  # not a call

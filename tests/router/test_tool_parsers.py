@@ -161,6 +161,11 @@ def test_cut_and_odd_calls() -> None:
     assert _calls(parse("json", '[{"name": "get_time"}, {"name": "x"}]', parallel=False)) == [
         ("get_time", {})
     ]
+    person = '{"name": "Ada", "born": 1815}'
+    assert _calls(parse("json", person)) == [("Ada", {})]
+    assert parse("json", person, names={"get_time"}).content == person
+    both = '[{"name": "Ada"}, {"name": "get_time"}]'
+    assert _calls(parse("json", both, names={"get_time"})) == [("get_time", {})]
     for text in ('{"city": "Oslo", "days": {"name": "x"}}', '[{"a": 1}]', "{broken"):
         out = parse("json", text)
         assert out.tool_calls == () and out.content == text
@@ -243,3 +248,20 @@ def test_tool_arguments_hold_only_the_declared_properties() -> None:
     (variant,) = [required_schema([tool])["items"]]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "trip", "arguments": {"nope": 1}}, variant)
+
+
+def test_auto_json_calls_must_name_a_tool() -> None:
+    """tool_choice auto with the json parser (no markup): a JSON answer with a "name" key is
+    content unless it names an offered function; required and hermes take any name."""
+    from router.chat_tools import tool_setup
+
+    person = '{"name": "Ada", "born": 1815}'
+    auto = tool_setup([WEATHER, TIME], None, None, "json")
+    assert auto is not None and auto.split(person).content == person
+    call = '{"name": "get_time", "arguments": {}}'
+    assert _calls(auto.split(call)) == [("get_time", {})]
+    stream = auto.streamer()
+    assert stream is not None
+    assert stream.feed(person) == ("", []) and stream.finish() == (person, [])
+    hermes = tool_setup([WEATHER], "auto", None, "hermes")
+    assert hermes is not None and hermes.call_names is None
