@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.structured.spec import StructuredOutputSpec
@@ -175,6 +176,29 @@ class SamplingParams:
             bad(
                 "prompt_logprobs",
                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+            )
+
+    def check_min_tokens_reachable(self, eos_token_ids: Collection[int]) -> None:
+        """Refuse ``min_tokens`` > 0 with an ``allowed_token_ids`` that holds only ids ending
+        the sequence: ``stop_token_ids`` and, unless ``ignore_eos``, ``eos_token_ids`` (the
+        model's EOS ids). ``min_tokens`` masks those ids until that many tokens exist (vLLM's
+        min_tokens rule; :mod:`pdserve.sampling` step 5), so no token would be left to sample
+        and the sampler would emit the forbidden ids anyway. With ``ignore_eos`` an EOS does not
+        end the sequence, so it still counts. Raises SamplingError naming ``allowed_token_ids``.
+        """
+        if self.min_tokens == 0 or self.allowed_token_ids is None:
+            return
+        ending = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ending.update(eos_token_ids)
+        if ending.issuperset(self.allowed_token_ids):
+            shown = sorted(set(self.allowed_token_ids))[:8]
+            raise SamplingError(
+                "allowed_token_ids",
+                f"'allowed_token_ids' {shown} holds only EOS or stop token ids, which "
+                f"'min_tokens' ({self.min_tokens}) forbids until {self.min_tokens} tokens were "
+                "generated, so no token is left to sample; allow another token id or drop "
+                "'min_tokens'",
             )
 
     @property

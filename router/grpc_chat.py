@@ -62,7 +62,10 @@ def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = N
 
 
 def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
-    """Decode and validate ``chat``. Raises BadRequest naming the field."""
+    """Decode and validate ``chat``. Raises BadRequest naming the field as the gRPC request
+    spells it (``chat.messages`` when there is none: OpenAI's chat API needs at least one)."""
+    if not chat.messages:
+        raise BadRequest("'chat.messages' must hold at least one message", param="chat.messages")
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:

@@ -437,6 +437,7 @@ class Router:
             stop_ids += tuple(t for t in self.tokenizer.eos_token_ids if t not in stop_ids)
         try:
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens, stop_token_ids=stop_ids)
+            sampling.check_min_tokens_reachable(self.tokenizer.eos_token_ids)
             rpc.sampling_to_proto(sampling)  # everything a worker will see must fit the wire
         except SamplingError as e:
             raise BadRequest(str(e), param=e.field) from None

@@ -5,11 +5,13 @@ One place turns the several ways a client can ask for constrained output into on
 
 * OpenAI ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
-* vLLM's ``structured_outputs`` object (``json`` | ``regex`` | ``choice`` | ``grammar`` |
-  ``json_object``) and its older top-level ``guided_json`` / ``guided_regex`` /
+* vLLM's ``structured_outputs`` object (exactly one of ``json`` | ``regex`` | ``choice`` |
+  ``grammar`` | ``json_object``) and its older top-level ``guided_json`` / ``guided_regex`` /
   ``guided_choice`` / ``guided_grammar`` fields.
 
-At most one may be given (a 400 names the second). ``logit_bias`` keys are token ids as JSON
+At most one may be given (a 400 names the second). A ``response_format`` without a known
+``type``, or a ``structured_outputs`` that sets no constraint, is a 400 too (OpenAI and vLLM
+refuse both), never read as "no constraint". ``logit_bias`` keys are token ids as JSON
 strings (OpenAI); a key that is not an integer in the vocabulary is a 400 naming it.
 """
 
@@ -23,6 +25,9 @@ from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 from router.errors import BadRequest
 
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# the constraint keys of vLLM's StructuredOutputsParams, in its order; exactly one must be set
+_VLLM_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
 def _spec(kind: str, value: Any, field: str) -> StructuredOutputSpec:
@@ -43,10 +48,16 @@ def _spec(kind: str, value: Any, field: str) -> StructuredOutputSpec:
 
 
 def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec | None:
-    """The spec OpenAI's ``response_format`` asks for (None for text). Raises BadRequest."""
-    if not fmt:
+    """The spec OpenAI's ``response_format`` asks for (None for an absent one or ``text``).
+
+    OpenAI's API reference and vLLM both make ``type`` required: ``text``, ``json_object`` or
+    ``json_schema`` (vLLM's ``structural_tag`` is not supported here). Raises BadRequest naming
+    ``response_format.type`` when it is missing or another value, and ``response_format`` when a
+    ``json_schema`` lacks its schema.
+    """
+    if fmt is None:
         return None
-    kind = fmt.get("type", "text")
+    kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -59,11 +70,49 @@ def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec 
                 param="response_format",
             )
         return _spec("json_schema", js.get("schema", {}), "response_format")
+    allowed = ", ".join(repr(k) for k in _RESPONSE_FORMAT_TYPES)
+    if kind is None:
+        problem = "is required"
+    else:
+        shown = json.dumps(kind)
+        shown = shown if len(shown) <= 40 else f"{shown[:36]}..."
+        problem = f"{shown} is not supported"
     raise BadRequest(
-        f"'response_format' type {kind!r} is not supported; use 'text', 'json_object' or "
-        "'json_schema'",
-        param="response_format",
+        f"'response_format.type' {problem}; it must be one of {allowed}",
+        param="response_format.type",
     )
+
+
+def structured_outputs_spec(so: Mapping[str, Any]) -> StructuredOutputSpec:
+    """The spec of vLLM's ``structured_outputs`` object.
+
+    As vLLM's ``StructuredOutputsParams`` does, it must set exactly one constraint: ``json``,
+    ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag`` (null, and
+    ``json_object: false``, count as unset). Option keys beside it (``disable_any_whitespace``
+    ...) are ignored. Raises BadRequest naming ``structured_outputs`` when none or several are
+    set, or the one set is ``structural_tag`` (not supported here) or malformed.
+    """
+    given = [k for k in _VLLM_CONSTRAINTS if so.get(k) is not None and so.get(k) is not False]
+    kinds = ", ".join(repr(k) for k in _VLLM_CONSTRAINTS)
+    if not given:
+        raise BadRequest(
+            f"'structured_outputs' sets no constraint; it must set exactly one of {kinds}",
+            param="structured_outputs",
+        )
+    if len(given) > 1:
+        raise BadRequest(
+            f"'structured_outputs' sets {len(given)} constraints ({', '.join(given)}); it must "
+            f"set exactly one of {kinds}",
+            param="structured_outputs",
+        )
+    k = given[0]
+    if k == "structural_tag":
+        raise BadRequest(
+            "'structured_outputs.structural_tag' is not supported; use 'json', 'regex', "
+            "'choice', 'grammar' or 'json_object'",
+            param="structured_outputs",
+        )
+    return _spec(_VLLM_KINDS.get(k, "json_object"), so[k], "structured_outputs")
 
 
 def structured_spec(
@@ -77,17 +126,8 @@ def structured_spec(
     rf = response_format_spec(response_format)
     if rf is not None:
         found.append(rf)
-    if structured_outputs:
-        so = {k: v for k, v in structured_outputs.items() if v not in (None, False)}
-        kinds = [k for k in so if k in _VLLM_KINDS or k == "json_object"]
-        if len(kinds) != 1:
-            raise BadRequest(
-                "'structured_outputs' must set exactly one of 'json', 'regex', 'choice', "
-                "'grammar', 'json_object'",
-                param="structured_outputs",
-            )
-        k = kinds[0]
-        found.append(_spec(_VLLM_KINDS.get(k, "json_object"), so[k], "structured_outputs"))
+    if structured_outputs is not None:
+        found.append(structured_outputs_spec(structured_outputs))
     for name, value in guided.items():
         if value is not None:
             found.append(_spec(_VLLM_KINDS[name.removeprefix("guided_")], value, name))

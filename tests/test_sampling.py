@@ -259,6 +259,35 @@ def test_allowed_token_ids_win_over_min_tokens() -> None:
     assert row.isfinite().nonzero().flatten().tolist() == [2]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"allowed_token_ids": (5,), "min_tokens": 3},
+        {"allowed_token_ids": (4, 5), "stop_token_ids": (4,), "min_tokens": 1},
+        {"allowed_token_ids": (4,), "stop_token_ids": (4,), "min_tokens": 1, "ignore_eos": True},
+    ],
+)
+def test_min_tokens_with_only_ending_ids_allowed_is_refused(params: dict[str, object]) -> None:
+    """The conflict the sampler above resolves for allowed_token_ids is refused at the edge."""
+    p = SamplingParams(**params)  # type: ignore[arg-type]
+    with pytest.raises(SamplingError, match="'min_tokens'") as e:
+        p.check_min_tokens_reachable(eos_token_ids=(5,))
+    assert e.value.field == "allowed_token_ids" and "'allowed_token_ids'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"allowed_token_ids": (2, 5), "min_tokens": 3},  # token 2 is left
+        {"allowed_token_ids": (5,), "min_tokens": 0},
+        {"allowed_token_ids": None, "min_tokens": 3},
+        {"allowed_token_ids": (5,), "min_tokens": 3, "ignore_eos": True},  # EOS does not end it
+    ],
+)
+def test_min_tokens_with_a_non_ending_id_allowed_is_accepted(params: dict[str, object]) -> None:
+    SamplingParams(**params).check_min_tokens_reachable(eos_token_ids=(5,))  # type: ignore[arg-type]
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 
 

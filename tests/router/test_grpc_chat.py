@@ -58,6 +58,13 @@ def test_message_tool_calls_must_be_objects() -> None:
     assert e.value.param == "chat.messages.1.tool_calls_json.0"
 
 
+def test_chat_without_messages_names_chat_messages() -> None:
+    with pytest.raises(BadRequest) as e:
+        chat_inputs(gpb.ChatMessages(tools_json=TOOLS), "hermes")
+    assert e.value.param == "chat.messages"
+    assert e.value.message == "'chat.messages' must hold at least one message"
+
+
 async def test_gateway_answers_invalid_argument_not_unknown(tokenizer: Tokenizer) -> None:
     async with gateway(tokenizer) as (_c, _router, channel):
         stub = gpb_grpc.GenerationStub(channel)
@@ -69,3 +76,10 @@ async def test_gateway_answers_invalid_argument_not_unknown(tokenizer: Tokenizer
                 _ = [r async for r in stub.Generate(req)]
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"chat.{field}" in (e.value.details() or "")
+        req = gpb.GenerateRequest(
+            chat=gpb.ChatMessages(), sampling=cpb.SamplingParams(max_tokens=4)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            _ = [r async for r in stub.Generate(req)]
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("'chat.messages'")

@@ -118,7 +118,10 @@ async def test_chat_echo_prepends_the_assistant_message(tokenizer: Tokenizer) ->
             {"structured_outputs": {"json": {}, "regex": "a"}},
             "structured_outputs",
         ),
-        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+        ("/v1/chat/completions", {"response_format": {}}, "response_format.type"),
+        ("/v1/completions", {"structured_outputs": {}}, "structured_outputs"),
+        ("/v1/completions", {"min_tokens": 1, "allowed_token_ids": [EOS]}, "allowed_token_ids"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
@@ -145,6 +148,29 @@ async def test_bad_fields_are_400_naming_them(
         assert_openai_error(r, 400, param)
         ok = await http.post(path, json={**base, "max_tokens": 2})
         assert ok.status_code == 200  # the server keeps serving
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": None},
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"structured_outputs": None},
+        {"structured_outputs": {"choice": ["ok", "no"], "disable_any_whitespace": True}},
+        {"structured_outputs": {"json_object": True}},
+        {"structured_outputs": {"json": {"type": "object"}, "json_object": False}},
+        {"guided_choice": ["ok"], "guided_json": None},
+        {"min_tokens": 1, "allowed_token_ids": [EOS, 28]},
+        {"min_tokens": 1, "allowed_token_ids": [EOS], "ignore_eos": True},
+    ],
+)
+async def test_valid_constraint_forms_are_accepted(tokenizer: Tokenizer, extra: dict) -> None:
+    """The forms OpenAI and vLLM accept stay accepted beside the 400s above."""
+    async with client(tokenizer, "ok") as http:
+        r = await http.post("/v1/chat/completions", json={"messages": ASK, **extra})
+        assert r.status_code == 200, r.text
 
 
 async def test_utility_endpoints(tokenizer: Tokenizer) -> None:

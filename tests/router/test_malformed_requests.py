@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from fake_workers import VOCAB
+from fake_workers import EOS, VOCAB
 from test_http_gateway import MSGS, env
 
 from pdserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -145,7 +145,38 @@ HTTP_ROWS = [
     Http("chat json_schema without schema", CHAT,
          chat(response_format={"type": "json_schema"}), 400, "response_format"),
     Http("chat response_format type unknown", CHAT,
-         chat(response_format={"type": "yaml"}), 400, "response_format"),
+         chat(response_format={"type": "yaml"}), 400, "response_format.type",
+         "'response_format.type' \"yaml\" is not supported; it must be one of 'text', "
+         "'json_object', 'json_schema'"),
+    Http("chat response_format without type", CHAT, chat(response_format={}), 400,
+         "response_format.type",
+         "'response_format.type' is required; it must be one of 'text', 'json_object', "
+         "'json_schema'"),
+    Http("cmpl response_format type null", CMPL, cmpl(response_format={"type": None}), 400,
+         "response_format.type", "is required"),
+    Http("chat response_format structural_tag", CHAT,
+         chat(response_format={"type": "structural_tag"}), 400, "response_format.type",
+         "\"structural_tag\" is not supported"),
+    Http("chat empty structured_outputs", CHAT, chat(structured_outputs={}), 400,
+         "structured_outputs",
+         "'structured_outputs' sets no constraint; it must set exactly one of 'json', 'regex', "
+         "'choice', 'grammar', 'json_object', 'structural_tag'"),
+    Http("cmpl structured_outputs with options only", CMPL,
+         cmpl(structured_outputs={"disable_any_whitespace": True, "json": None}), 400,
+         "structured_outputs", "sets no constraint"),
+    Http("cmpl structured_outputs with two constraints", CMPL,
+         cmpl(structured_outputs={"regex": "a+", "choice": ["a"]}), 400, "structured_outputs",
+         "sets 2 constraints (regex, choice)"),
+    Http("chat structured_outputs structural_tag", CHAT,
+         chat(structured_outputs={"structural_tag": "{}"}), 400, "structured_outputs",
+         "'structured_outputs.structural_tag' is not supported"),
+    Http("chat allowed_token_ids only EOS with min_tokens", CHAT,
+         chat(allowed_token_ids=[EOS], min_tokens=2), 400, "allowed_token_ids",
+         f"'allowed_token_ids' [{EOS}] holds only EOS or stop token ids, which 'min_tokens' (2) "
+         "forbids"),
+    Http("cmpl allowed_token_ids only stop ids with min_tokens", CMPL,
+         cmpl(allowed_token_ids=[7, EOS], stop_token_ids=[7], min_tokens=1, stream=True), 400,
+         "allowed_token_ids", "'min_tokens' (1)"),
     Http("chat tools not a list", CHAT, chat(tools="search"), 400, "tools"),
     Http("chat tool_choice required without tools", CHAT, chat(tool_choice="required"), 400,
          "tool_choice"),
@@ -231,6 +262,11 @@ GRPC_ROWS = [
     Grpc("structured schema nested too deeply",
          gpb.GenerateRequest(text="hi", sampling=sampling(structured=cpb.StructuredOutput(
              kind="json_schema", value=DEEP, field="structured"))), BAD, "nested deeper"),
+    Grpc("chat without messages", gpb.GenerateRequest(chat=gpb.ChatMessages()), BAD,
+         "'chat.messages' must hold at least one message"),
+    Grpc("allowed_token_ids only EOS with min_tokens",
+         gpb.GenerateRequest(text="hi", sampling=sampling(allowed_token_ids=[EOS], min_tokens=1)),
+         BAD, "'allowed_token_ids' [2] holds only EOS or stop token ids, which 'min_tokens'"),
     Grpc("stop id past vocab",
          gpb.GenerateRequest(text="hi", sampling=sampling(stop_token_ids=[VOCAB])), BAD,
          "'stop_token_ids'"),
