@@ -74,8 +74,13 @@ async def test_auto_tool_calls_whole_and_streamed(tokenizer: Tokenizer) -> None:
         content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
         calls = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls") or []]
         assert content == "Sure."
-        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
-        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        # the call streams as generated: id, type and name first, then argument pieces
+        assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert all(c["index"] == 0 and set(c) == {"index", "function"} for c in calls[1:])
+        assert len(calls) > 1 and all(c["function"]["arguments"] for c in calls[1:])
+        args = "".join(c["function"]["arguments"] for c in calls)
+        assert json.loads(args) == {"city": "Paris"}
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
         none = await http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
