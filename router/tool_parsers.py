@@ -470,7 +470,8 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 def strict_objects(schema: Any) -> Any:
     """A copy of JSON schema ``schema`` in which every object schema that lists ``properties``
     and says nothing of others (no ``additionalProperties``, ``unevaluatedProperties`` or
-    ``patternProperties``) gets ``additionalProperties: false``, through its nested schemas
+    ``patternProperties``; no ``required`` name missing from its ``properties``, which closing
+    it would make impossible) gets ``additionalProperties: false``, through its nested schemas
     (except ``allOf`` branches). So a constrained tool call holds the declared arguments only:
     left open, a small model fills an argument object with invented keys (one run repeated a
     "description" key until max_tokens). xgrammar, vLLM's default structured-output backend,
@@ -491,7 +492,13 @@ def strict_objects(schema: Any) -> Any:
     if isinstance(out.get("additionalProperties"), Mapping):
         out["additionalProperties"] = strict_objects(out["additionalProperties"])
     open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
-    if isinstance(out.get("properties"), Mapping) and not any(k in out for k in open_keys):
+    props = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if (
+        isinstance(props, Mapping)
+        and not any(k in out for k in open_keys)
+        and all(name in props for name in required if isinstance(name, str))
+    ):
         out["additionalProperties"] = False
     return out
 

@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from pdserve.structured.finite import has_finite_instance
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 # Atoms of one regex with counted repetitions expanded (``(ab){100}`` = 200; a character
@@ -151,7 +152,9 @@ def _check_grammar(text: str, field: str) -> None:
 
 def check_spec_limits(spec: StructuredOutputSpec) -> None:
     """Raise StructuredOutputError naming ``spec.field`` and the limit when ``spec`` exceeds
-    :data:`MAX_REGEX_SIZE`, :data:`MAX_CHOICES` or :data:`MAX_SCHEMA_PROPERTIES`."""
+    :data:`MAX_REGEX_SIZE`, :data:`MAX_CHOICES` or :data:`MAX_SCHEMA_PROPERTIES`, or names
+    the fault when a JSON schema admits no finite value
+    (:func:`~pdserve.structured.finite.has_finite_instance`)."""
     field = spec.field
     if spec.kind == "regex":
         _check_regex(spec.value, field, "the regex")
@@ -163,12 +166,20 @@ def check_spec_limits(spec: StructuredOutputSpec) -> None:
             )
     elif spec.kind == "json_schema":
         counts = [0]
-        _walk_schema(json.loads(spec.value), field, counts)
+        schema = json.loads(spec.value)
+        _walk_schema(schema, field, counts)
         if counts[0] > MAX_SCHEMA_PROPERTIES:
             raise StructuredOutputError(
                 field,
                 f"'{field}' schema defines {counts[0]} properties; at most "
                 f"{MAX_SCHEMA_PROPERTIES} are allowed",
+            )
+        if not has_finite_instance(schema):
+            raise StructuredOutputError(
+                field,
+                f"'{field}': no finite JSON value matches the schema (a value it requires "
+                "contains itself without end, e.g. a required property whose schema refers "
+                "back to its own object, or is refused outright)",
             )
     elif spec.kind == "grammar":
         _check_grammar(spec.value, field)

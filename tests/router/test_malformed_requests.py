@@ -114,6 +114,13 @@ HTTP_ROWS = [
          "nested deeper"),
     Http("chat required tool with a bad schema", CHAT,
          chat(tools=[BAD_SCHEMA_TOOL], tool_choice="required"), 400, "tools", "cannot be compiled"),
+    Http("chat response_format schema with no finite value", CHAT,
+         chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+             "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}),
+         400, "response_format", "no finite JSON value matches the schema"),
+    Http("cmpl guided_json array that must hold itself", CMPL,
+         cmpl(guided_json={"type": "array", "items": {"$ref": "#"}, "minItems": 1}), 400,
+         "guided_json", "no finite JSON value"),
     Http("cmpl regex that does not parse", CMPL, cmpl(guided_regex="(abc"), 400, "guided_regex",
          "regex parse error: unclosed group"),
     Http("cmpl regex matching nothing", CMPL, cmpl(guided_regex="a[^\\s\\S]"), 400,

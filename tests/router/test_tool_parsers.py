@@ -245,6 +245,8 @@ def test_tool_arguments_hold_only_the_declared_properties() -> None:
         "type": "object",
         "properties": {"lat": {"type": "number"}},
     }  # the request's own schema is not changed
+    sloppy = {"type": "object", "properties": {"a": {}}, "required": ["b"]}  # b undeclared
+    assert named_schema({"function": {"name": "f", "parameters": sloppy}}) == sloppy
     (variant,) = [required_schema([tool])["items"]]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "trip", "arguments": {"nope": 1}}, variant)
