@@ -493,7 +493,7 @@ def strict_objects(schema: Any) -> Any:
         out["additionalProperties"] = strict_objects(out["additionalProperties"])
     open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
     props = out.get("properties")
-    required = out.get("required") if isinstance(out.get("required"), list) else []
+    required = out["required"] if isinstance(out.get("required"), list) else []
     if (
         isinstance(props, Mapping)
         and not any(k in out for k in open_keys)
