@@ -25,6 +25,10 @@ class PrefillActor(WorkerActor[PrefillEngine]):
 
     role = "prefill"
 
+    def niceness_for(self, config: EngineConfig) -> int:
+        """``config.prefill_niceness``: below the decode workers it may share CPUs with."""
+        return config.prefill_niceness
+
     def build_engine(self, config: EngineConfig) -> PrefillEngine:
         """Load the model and build the KV sender (runs in a worker thread)."""
         return PrefillEngine.build(config, name=self.worker_id, faults=self.faults)

@@ -45,6 +45,7 @@ from pdserve.config import (
     TransferConfig,
     check_cpus_per_worker,
     default_local_prefill_length,
+    default_prefill_niceness,
 )
 
 log = logging.getLogger("pdserve.serve")
@@ -189,6 +190,11 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         worker_host=args.worker_host,
         internal_token=internal_token(args),
         enable_fault_injection=args.enable_fault_injection,
+        prefill_niceness=(
+            default_prefill_niceness(load.device)
+            if args.prefill_niceness is None
+            else args.prefill_niceness
+        ),
     )
     unified = args.mode == "unified"
     num_prefill = args.num_prefill_workers
@@ -288,6 +294,12 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
             f"prefilled on their decode worker while they would wait behind >= "
             f"{s.min_prefill_queue_tokens} tokens on every prefill worker "
             "(--max-local-prefill-length 0: off)",
+        )
+    if s.mode != "unified" and s.num_prefill_workers and s.engine.prefill_niceness:
+        lines.insert(
+            1,
+            f"  prefill workers run at niceness {s.engine.prefill_niceness}: decode steps win "
+            "the CPU time the roles share (--prefill-niceness 0: equal)",
         )
     for line in lines:
         say(line)

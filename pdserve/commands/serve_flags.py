@@ -11,6 +11,7 @@ import argparse
 from pdserve import env
 from pdserve.config import (
     CPU_MAX_LOCAL_PREFILL_LENGTH,
+    CPU_PREFILL_NICENESS,
     CacheConfig,
     LoadConfig,
     SchedulerConfig,
@@ -250,6 +251,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Ray CPUs (and torch threads, rounded) per worker (default: the machine's CPUs "
         "split evenly among the workers)",
+    )
+    g.add_argument(
+        "--prefill-niceness",
+        type=int,
+        default=None,
+        help="the niceness (0-19) of the prefill workers' threads, so that decode steps win "
+        "the CPU time the roles contend for where they share cores (default: "
+        f"{CPU_PREFILL_NICENESS} for CPU workers, else 0)",
     )
     g.add_argument(
         "--ray-address",

@@ -13,7 +13,10 @@ torch threads = the actor's CPU share (``num_cpus`` rounded, at least 1), so co-
 a small machine do not oversubscribe the cores. Ray starts worker processes at niceness 15 (its
 ``worker_niceness`` default), below the router, the client and everything else on the machine;
 an actor is the serving hot path, so it asks for the normal priority back (best effort: lowering
-niceness needs CAP_SYS_NICE or an RLIMIT_NICE that allows it). Threads are not pinned to cores:
+niceness needs CAP_SYS_NICE or an RLIMIT_NICE that allows it). A prefill worker may ask for a
+niceness above 0 instead (``EngineConfig.prefill_niceness``, on by default on CPUs): where it
+shares cores with a decode worker, the decode steps, whose latency every running sequence feels,
+then win the contended time (docs/benchmarks.md, session 32). Threads are not pinned to cores:
 measured on a shared 2-core machine (a prefill process and a decode process, 1 torch thread
 each, 4 pinned/unpinned pairs), pinning each to its own core left decode step times within the
 noise and made their p99 twice as slow in some runs, since a pinned actor cannot move off a core
@@ -62,12 +65,14 @@ def _thread_name(tid: int) -> str:
         return ""
 
 
-def restore_priority() -> int:
-    """Lower the niceness of every thread of this process to 0 where it is above (a Ray worker
-    starts at 15); see the module docstring. On Linux niceness belongs to each thread (new threads
-    inherit their creator's), so all live threads are set, via ``/proc/self/task``, except the
-    kernels' helper thread (:data:`HELPER_THREAD_NAME`), which sets its own. Returns the
-    calling thread's niceness afterwards; a refusal is logged, not raised."""
+def restore_priority(niceness: int = 0) -> int:
+    """Set every thread of this process to ``niceness`` (0-19): lowered where it is above (a
+    Ray worker starts at 15); raised where it is below, when ``niceness`` is above 0 (a thread
+    an operator started below 0 keeps that for the default 0); see the module docstring. On Linux
+    niceness belongs to each thread (new threads inherit their creator's), so all live threads
+    are set, via ``/proc/self/task``, except the kernels' helper thread
+    (:data:`HELPER_THREAD_NAME`), which sets its own. Returns the calling thread's niceness
+    afterwards; a refusal to lower it is logged, not raised."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux: the process as a whole
@@ -76,8 +81,9 @@ def restore_priority() -> int:
         try:
             if tid and _thread_name(tid) == HELPER_THREAD_NAME:
                 continue  # its niceness is its own (see share_prefill_linears)
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            if now > niceness or 0 < niceness != now:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
         except ProcessLookupError:
             continue  # the thread ended meanwhile
         except OSError as e:
@@ -99,12 +105,17 @@ class WorkerActor(ABC, Generic[E]):
         self.config = config
         self.num_cpus = num_cpus
         torch.set_num_threads(threads_for(num_cpus))
-        self.niceness = restore_priority()
+        self.niceness = restore_priority(self.niceness_for(config))
         # armed through set_faults (/admin/faults) when --enable-fault-injection is given
         self.faults = FaultInjector() if config.enable_fault_injection else None
         self.engine: E | None = None
         self._server: grpc.aio.Server | None = None
         self._info: WorkerInfo | None = None
+
+    def niceness_for(self, config: EngineConfig) -> int:
+        """The niceness this actor's threads run at: 0 (a prefill worker may ask for more,
+        :attr:`~pdserve.config.EngineConfig.prefill_niceness`)."""
+        return 0
 
     @abstractmethod
     def build_engine(self, config: EngineConfig) -> E:
@@ -145,7 +156,8 @@ class WorkerActor(ABC, Generic[E]):
             await asyncio.to_thread(engine.shutdown)
             raise
         self.engine, self._server = engine, server
-        self.niceness = restore_priority()  # again: the step loop and transport threads now exist
+        # again: the step loop and transport threads now exist
+        self.niceness = restore_priority(self.niceness_for(config))
         address = where.endpoint(int(bound.rpartition(":")[2]))
         self._info = WorkerInfo(
             worker_id=self.worker_id,

@@ -28,6 +28,7 @@ from typing import Any
 # node; children are visited before parents, so acyclic parts settle in the first pass).
 MAX_PASSES = 64
 
+
 def has_finite_instance(schema: Any) -> bool:
     """True when some finite JSON value may meet ``schema`` (a decoded JSON Schema document;
     ``$ref`` resolved against it: ``#``, ``#/$defs/...``, ``#/definitions/...`` and other JSON

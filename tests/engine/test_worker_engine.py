@@ -197,3 +197,25 @@ def test_restore_priority_undoes_rays_niceness_when_allowed() -> None:
     want = 0 if _may_raise_priority() else 15
     assert out[:2] == [str(want), str(want)] and int(out[2]) >= 2  # the caller, then all threads
     assert restore_priority() == os.getpriority(os.PRIO_PROCESS, 0)  # at 0 already: unchanged
+
+
+def test_restore_priority_raises_every_thread_to_a_prefill_niceness() -> None:
+    """A prefill worker's niceness (--prefill-niceness) reaches every thread, the ones alive
+    now and, by inheritance, the ones they start later; raising needs no privilege."""
+    code = (
+        "import os, threading\n"
+        "from pdserve.engine.actor import restore_priority\n"
+        "stop = threading.Event()\n"
+        "threading.Thread(target=stop.wait).start()\n"
+        "got = restore_priority(5)\n"
+        "later = []\n"
+        "t = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, 0)))\n"
+        "t.start(); t.join()\n"
+        "tids = os.listdir('/proc/self/task')\n"
+        "print(got, *sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids}), *later)\n"
+        "stop.set()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    assert out == ["5", "5", "5"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import logging
 import os
@@ -79,6 +80,8 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--cpus-per-worker", "inf"], "--cpus-per-worker must be a number >= 0.0001"),
         (["--max-local-prefill-length", "-1"], "--max-local-prefill-length must be >= 0"),
         (["--min-prefill-queue-tokens", "-1"], "--min-prefill-queue-tokens must be >= 0"),
+        (["--prefill-niceness", "20"], r"--prefill-niceness must be in \[0, 19\], got 20"),
+        (["--prefill-niceness", "-1"], "--prefill-niceness must be in"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
@@ -251,9 +254,13 @@ def test_ready_lines_say_when_conditional_disaggregation_is_on(
         "prompts of <= 512 tokens" in out and "behind >= 256 tokens on every prefill worker" in out
     )
     assert "--max-local-prefill-length 0: off" in out
+    assert "prefill workers run at niceness 5" in out and "--prefill-niceness 0" in out
     for extra in (["--max-local-prefill-length", "0"], ["--mode", "unified"]):
         serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu", *extra)), False)
         assert "conditional disaggregation" not in capsys.readouterr().out
+    for extra in (["--prefill-niceness", "0"], ["--mode", "unified"]):
+        serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu", *extra)), False)
+        assert "niceness" not in capsys.readouterr().out
 
 
 def test_kv_transfer_series_exist_before_the_first_transfer() -> None:
@@ -263,3 +270,20 @@ def test_kv_transfer_series_exist_before_the_first_transfer() -> None:
     text = metrics.render().decode()
     for path in ("transferred", "local"):
         assert f'pdserve_kv_transfers_total{{outcome="ok",path="{path}"}}' in text
+
+
+def test_prefill_niceness_default_follows_the_device() -> None:
+    """CPU prefill workers run below the decode workers they share cores with (5); a GPU's at
+    0; a given value wins; the actors apply it by role."""
+    from decode_worker.actor import DecodeActor
+    from pdserve.config import CPU_PREFILL_NICENESS, default_prefill_niceness
+    from prefill_worker.actor import PrefillActor
+
+    plan = serve.build_plan(parse("serve", "--device", "cpu"))
+    assert plan.serve.engine.prefill_niceness == CPU_PREFILL_NICENESS == 5
+    assert default_prefill_niceness("cuda") == 0
+    plan = serve.build_plan(parse("serve", "--device", "cpu", "--prefill-niceness", "0"))
+    assert plan.serve.engine.prefill_niceness == 0
+    config = dataclasses.replace(plan.serve.engine, prefill_niceness=7)
+    assert PrefillActor.niceness_for(None, config) == 7  # type: ignore[arg-type]
+    assert DecodeActor.niceness_for(None, config) == 0  # type: ignore[arg-type]
