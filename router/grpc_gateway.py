@@ -36,6 +36,7 @@ from pdserve import metrics, rpc
 from pdserve.auth import api_key_check
 from pdserve.config import ServeConfig
 from pdserve.sampling_params import SamplingError, SamplingParams
+from pdserve.structured.strict import closed_spec
 from pdserve.v1 import common_pb2 as cpb
 from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
@@ -86,8 +87,12 @@ class GenerationService(gpb_grpc.GenerationServicer):
         rest_of_context = wire.max_tokens == 0
         if rest_of_context:
             wire.max_tokens = 1  # placeholder so validation passes; replaced by None below
+        if wire.HasField("structured"):
+            wire.structured.field = "sampling.structured"  # what its errors name
         try:
             params = rpc.sampling_from_proto(wire)
+            if params.structured is not None:  # closed as on the HTTP path
+                params = dataclasses.replace(params, structured=closed_spec(params.structured))
             tool_spec = tools.spec() if tools else None
             if tool_spec is not None and params.structured is not None:
                 raise BadRequest(

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.structured.spec import StructuredOutputError, StructuredOutputSpec
+from pdserve.structured.strict import closed_spec
 from router.errors import BadRequest
 
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -32,8 +33,8 @@ _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 def _spec(kind: str, value: Any, field: str) -> StructuredOutputSpec:
     try:
-        if kind == "json_schema":
-            return StructuredOutputSpec.json_schema(value, field)
+        if kind == "json_schema":  # closed as vLLM's default backend closes it
+            return closed_spec(StructuredOutputSpec.json_schema(value, field))
         if kind == "choice":
             if not isinstance(value, list):
                 raise BadRequest(f"'{field}' must be a list of strings", param=field)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve import json_text
+from pdserve.structured.strict import strict_objects
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -457,49 +458,6 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     out = strict_objects(params)
     assert isinstance(out, dict)
-    return out
-
-
-# where a JSON schema holds subschemas that describe a value on their own (not allOf: its branches
-# describe one object together, so a branch may not refuse another branch's properties)
-_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-
-
-def strict_objects(schema: Any) -> Any:
-    """A copy of JSON schema ``schema`` in which every object schema that lists ``properties``
-    and says nothing of others (no ``additionalProperties``, ``unevaluatedProperties`` or
-    ``patternProperties``; no ``required`` name missing from its ``properties``, which closing
-    it would make impossible) gets ``additionalProperties: false``, through its nested schemas
-    (except ``allOf`` branches). So a constrained tool call holds the declared arguments only:
-    left open, a small model fills an argument object with invented keys (one run repeated a
-    "description" key until max_tokens). xgrammar, vLLM's default structured-output backend,
-    compiles schemas the same way by default (its strict mode); OpenAI's strict function calling
-    requires ``additionalProperties: false`` outright."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    for key in _ONE_SCHEMA:
-        if key in out:
-            out[key] = strict_objects(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [strict_objects(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {k: strict_objects(s) for k, s in out[key].items()}
-    if isinstance(out.get("additionalProperties"), Mapping):
-        out["additionalProperties"] = strict_objects(out["additionalProperties"])
-    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
-    props = out.get("properties")
-    required = out["required"] if isinstance(out.get("required"), list) else []
-    if (
-        isinstance(props, Mapping)
-        and not any(k in out for k in open_keys)
-        and all(name in props for name in required if isinstance(name, str))
-    ):
-        out["additionalProperties"] = False
     return out
 
 

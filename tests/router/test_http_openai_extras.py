@@ -178,6 +178,38 @@ async def test_valid_constraint_forms_are_accepted(tokenizer: Tokenizer, extra: 
         assert r.status_code == 200, r.text
 
 
+async def test_json_schemas_reach_the_workers_closed(tokenizer: Tokenizer) -> None:
+    """response_format, structured_outputs and guided_json schemas are closed as vLLM's default
+    backend (xgrammar, strict mode) closes them: a listed object admits only its properties
+    unless the schema says otherwise (new-user report: a 135M model added "gender", "country"
+    to a name/age schema)."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    open_one = {**person, "additionalProperties": True}
+    script = tokenizer.encode('{"name":"A"}', add_special_tokens=False) + [EOS]
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    router = Router(RouterConfig(model_name="smollm2", max_model_len=512), tokenizer, c.pool)
+    transport = httpx.ASGITransport(app=build_app(router))
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            for extra, want in (
+                ({"response_format": rf}, {**person, "additionalProperties": False}),
+                (
+                    {"structured_outputs": {"json": person}},
+                    {**person, "additionalProperties": False},
+                ),
+                ({"guided_json": json.dumps(person)}, {**person, "additionalProperties": False}),
+                ({"guided_json": open_one}, open_one),
+            ):
+                body = {"prompt": "Answer:", "max_tokens": 8, **extra}
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                spec = c.decodes[0].requests[-1].sampling.structured
+                assert json.loads(spec.value) == want, extra
+    finally:
+        await c.close()
+
+
 async def test_utility_endpoints(tokenizer: Tokenizer) -> None:
     async with client(tokenizer, "ok") as http:
         r = await http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
@@ -255,6 +287,16 @@ async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> 
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Generate(gpb.GenerateRequest(text="hi", sampling=regex)).read()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'sampling.structured'" in e.value.details()  # the field the gRPC client set
+        # a JSON schema reaches the workers closed, as on the HTTP path
+        person = {"type": "object", "properties": {"name": {"type": "string"}}}
+        closed = wpb.SamplingParams(
+            max_tokens=4,
+            structured=wpb.StructuredOutput(kind="json_schema", value=json.dumps(person)),
+        )
+        await stub.Generate(gpb.GenerateRequest(text="hi", sampling=closed)).read()
+        sent = json.loads(c.decodes[0].requests[-1].sampling.structured.value)
+        assert sent == {**person, "additionalProperties": False}
     finally:
         await channel.close()
         await gw.stop(0)
