@@ -111,26 +111,16 @@ class CallDelta:
 
 
 def join_deltas(deltas: Sequence[CallDelta]) -> list[ToolCall]:
-    """The whole calls a delta stream adds up to, in index order. Arguments that parse as a
-    JSON object are re-serialised (``json.dumps``, as the whole response's form); others (cut
-    off by max_tokens) are kept as generated."""
+    """The whole calls a delta stream adds up to, in index order, each call's arguments the
+    concatenation of its pieces: the text as generated, so a streamed call and the whole
+    response's carry the same bytes."""
     calls: dict[int, list[Any]] = {}
     for d in deltas:
         if d.name is not None:
             calls[d.index] = [d.name, d.id or "", []]
         calls[d.index][2].append(d.arguments)
-    out = []
-    for index in sorted(calls):
-        name, call_id, pieces = calls[index]
-        args = "".join(pieces)
-        try:
-            obj = json_text.loads(args)
-        except ValueError:
-            obj = None
-        if isinstance(obj, Mapping):
-            args = json.dumps(obj, ensure_ascii=False)
-        out.append(ToolCall(name, args, call_id))
-    return out
+    return [ToolCall(name, "".join(pieces), call_id) for name, call_id, pieces in
+            (calls[i] for i in sorted(calls))]  # fmt: skip
 
 
 @dataclass
@@ -252,11 +242,14 @@ class _CallScanner:
         elif self._sink_kind == "str":
             if self._sink is self._call.name_raw:
                 name = _decode("".join(self._call.name_raw))
-                self._call.name = name if isinstance(name, str) and name else None
+                ok = isinstance(name, str) and name and _is_utf8(name)
+                self._call.name = name if ok else None
             self._value_end()
 
     def _value_start(self, ch: str) -> None:
         assert self._call is not None
+        if ch in ",}]":
+            return  # a key without a value (malformed): nothing to capture
         self._expect = "in"
         key, call = self._last_key, self._call
         if key == "name" and ch == '"' and call.name is None and not call.name_raw:
@@ -303,12 +296,37 @@ class StreamingToolParser:
         self._buf = ""  # hermes: text not yet passed on or scanned
         self._region: list[str] = []  # the open call region's text (its fallback content)
         self._scanner: _CallScanner | None = None  # the open call region, if any
+        self._settled = 0  # the region's objects before this one are passed on in full
+        self._held = ""  # whitespace content held until content with text arrives
+        self._spoken = False  # content with text was passed on
         self.num_calls = 0
         if parser == "json":
             self._scanner = _CallScanner()
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        """Consume ``text``; return the content that is certainly not a call, and call deltas."""
+        """Consume ``text``; return the content that is certainly not a call, and call deltas.
+        Content that is only whitespace is held until content with text follows (the whole
+        parse has no content at all when it is only whitespace)."""
+        content, deltas = self._feed(text)
+        return self._say(content, final=False), deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """End of output: close what is open (an unclosed call, JSON output) or release it."""
+        content, deltas = self._finish()
+        return self._say(content, final=True), deltas
+
+    def _say(self, content: str, final: bool) -> str:
+        if self._spoken:
+            return content
+        self._held += content
+        if not self._held.strip():
+            if final:
+                self._held = ""
+            return ""
+        out, self._held, self._spoken = self._held, "", True
+        return out
+
+    def _feed(self, text: str) -> tuple[str, list[CallDelta]]:
         if self.parser == "json":
             return self._feed_json(text)
         self._buf += text
@@ -335,11 +353,10 @@ class StreamingToolParser:
                 break
             content.append(self._buf[:start])
             self._buf = self._buf[start + len(TOOL_CALL_START) :]
-            self._scanner, self._region = _CallScanner(), [TOOL_CALL_START]
+            self._scanner, self._region, self._settled = _CallScanner(), [TOOL_CALL_START], 0
         return "".join(content), _merge(deltas)
 
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        """End of output: close what is open (an unclosed call, JSON output) or release it."""
+    def _finish(self) -> tuple[str, list[CallDelta]]:
         deltas: list[CallDelta] = []
         if self.parser == "json":
             content = self._close_region(deltas, "") if self._scanner is not None else ""
@@ -370,7 +387,8 @@ class StreamingToolParser:
     def _pass_on(self, deltas: list[CallDelta], final: bool) -> None:
         """Deltas for what the open region's calls gained; ``final``: the region ended."""
         assert self._scanner is not None
-        for call in self._scanner.objects:
+        objects = self._scanner.objects
+        for call in objects[self._settled :]:
             if call.name is not None and self.names is not None and call.name not in self.names:
                 call.name = None  # names no offered function: not a call
             if call.name is None:
@@ -386,6 +404,8 @@ class StreamingToolParser:
             piece = _args_piece(call, final)
             if piece:
                 deltas.append(CallDelta(call.index, piece))
+        while self._settled < len(objects) and objects[self._settled].closed:
+            self._settled += 1  # a closed object has nothing more to pass on
 
     def _close_region(self, deltas: list[CallDelta], tag: str) -> str:
         """End the open region: its calls' last deltas, or its text as content when it held
@@ -413,12 +433,25 @@ def _args_piece(call: _Call, final: bool) -> str:
     raw = "".join(call.args_raw)
     if call.args_kind == "str" and call.args_closed:
         text = _decode(raw)
+        if not isinstance(text, str) or not _is_utf8(text):
+            return raw  # not a valid JSON string (a raw newline), or a lone surrogate escape
         try:
             obj = json_text.loads(text)
         except ValueError:
-            return str(text)
-        return json.dumps(obj, ensure_ascii=False) if isinstance(obj, Mapping) else str(text)
+            return text
+        out = json.dumps(obj, ensure_ascii=False) if isinstance(obj, Mapping) else text
+        return out if _is_utf8(out) else json.dumps(obj)  # escapes what UTF-8 cannot carry
     return raw if call.args_kind else "{}"
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (holds no lone surrogate, which a JSON ``\\ud800``
+    escape decodes to and no response could carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _merge(deltas: list[CallDelta]) -> list[CallDelta]:
@@ -464,24 +497,62 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
 def required_schema(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """JSON schema of ``tool_choice: "required"``: an array (>= 1 item; exactly 1 unless
     ``parallel``) of ``{"name", "arguments"}`` calls, each naming an offered function and
-    matching its parameters. ``tools``: validated OpenAI tool definitions."""
-    variants = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "arguments": _parameters(t),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+    matching its parameters. ``tools``: validated OpenAI tool definitions. A parameters schema
+    that refers into itself (``$defs``, ``#`` recursion, as pydantic writes nested models) moves
+    to the array schema's ``$defs`` with its references rebased, so they still mean its own.
+    (Anchors and ``$id`` bases inside a tool are not rebased.)"""
+    defs: dict[str, Any] = {}
+    variants = []
+    for i, t in enumerate(tools):
+        params = _parameters(t)
+        if _has_local_ref(params):  # its "#..." refs mean its own root: hoist it, rebased
+            key = f"pdserve_tool_{i}"
+            defs[key] = _rebase_refs(params, f"#/$defs/{key}")
+            params = {"$ref": f"#/$defs/{key}"}
+        variants.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "arguments": params,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     items = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _has_local_ref(node: Any) -> bool:
+    """Whether JSON schema ``node`` holds a ``$ref`` into its own document ("#...")."""
+    if isinstance(node, Mapping):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of ``node`` whose JSON-pointer ``$ref`` s ("#", "#/...") point into ``base`` (a
+    pointer to where ``node`` now sits in a larger document)."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    if not isinstance(node, Mapping):
+        return node
+    out = {k: _rebase_refs(v, base) for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def named_schema(tool: Mapping[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def has_finite_instance(schema: Any) -> bool:
     value it requires is refused outright (a ``false`` schema, a required property that
     ``additionalProperties: false`` shuts out). Never raises on a malformed schema (the grammar
     compiler reports those)."""
+    if _has_scoped_refs(schema):
+        return True  # refs resolve against $id bases or anchors: not followed here
     nodes = _reachable(schema)
     productive: set[int] = set()
     for _ in range(MAX_PASSES):
@@ -47,6 +49,28 @@ def has_finite_instance(schema: Any) -> bool:
         if len(productive) == before:
             return id(schema) in productive or not _counts(schema)
     return True  # not settled within the pass budget: leave it to the grammar engine
+
+
+_SCOPING = ("$id", "$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef")
+
+
+def _has_scoped_refs(schema: Any) -> bool:
+    """Whether ``schema`` uses what makes a ``$ref`` mean something other than a JSON pointer
+    from its root: ``$id`` below the root (a new base), anchors, dynamic refs, or a ``$ref``
+    that is not ``#`` or ``#/...``."""
+    stack: list[tuple[Any, bool]] = [(schema, True)]
+    while stack:
+        node, root = stack.pop()
+        if isinstance(node, Mapping):
+            if any(k in node and not (root and k == "$id") for k in _SCOPING):
+                return True
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+                return True
+            stack.extend((v, False) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, False) for v in node)
+    return False
 
 
 def _counts(node: Any) -> bool:

@@ -29,6 +29,12 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
+# what leaves an object schema open: it speaks of other properties, or composes with schemas
+# that may bring them
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf",
+              "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")  # fmt: skip
+
+
 def strict_objects(schema: Any) -> Any:
     """A copy of JSON schema ``schema`` in which every object schema that lists ``properties``
     and says nothing of others gets ``additionalProperties: false``, through its nested schemas.
@@ -52,8 +58,7 @@ def strict_objects(schema: Any) -> Any:
             out[key] = {k: strict_objects(s) for k, s in out[key].items()}
     if isinstance(out.get("additionalProperties"), Mapping):
         out["additionalProperties"] = strict_objects(out["additionalProperties"])
-    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
-    open_keys += ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
+    open_keys = _OPEN_KEYS
     props = out.get("properties")
     required = out["required"] if isinstance(out.get("required"), list) else []
     if (

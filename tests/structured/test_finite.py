@@ -16,6 +16,12 @@ NODE = {"type": "object", "properties": {"next": {"$ref": "#"}}}
 
 NO_FINITE_VALUE: list[Any] = [
     {**NODE, "required": ["next"]},
+    {
+        "$id": "urn:root",
+        **NODE,
+        "required": ["next"],
+        "properties": {"id": {}, "next": {"$ref": "#"}},
+    },
     {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
     {
         "$defs": {
@@ -63,6 +69,32 @@ FINITE: list[Any] = [
     {"type": "object", "patternProperties": {"^x": {"$ref": "#"}}, "required": ["x"]},
     {"anyOf": []},
     {"type": "banana"},  # the compiler's to refuse
+    {  # an anchor, not the root (fault-tester finding: "#leaf" was read as "#")
+        "type": "object",
+        "properties": {"x": {"$ref": "#leaf"}},
+        "required": ["x"],
+        "$defs": {"leaf": {"$anchor": "leaf", "type": "string"}},
+    },  # fmt: skip
+    {  # "#/$defs/leaf" below an $id means that subschema's $defs, not the root's
+        "type": "object",
+        "required": ["p"],
+        "properties": {
+            "p": {
+                "$id": "urn:a",
+                "type": "object",
+                "required": ["q"],
+                "properties": {"q": {"$ref": "#/$defs/leaf"}},
+                "$defs": {"leaf": {"type": "string"}},
+            }
+        },
+        "$defs": {"leaf": {"$ref": "#"}},
+    },  # fmt: skip
+    {  # a property named like a keyword is a name, not a keyword
+        "$id": "urn:root",
+        "type": "object",
+        "required": ["id"],
+        "properties": {"id": {"type": "string"}, "next": {"$ref": "#"}},
+    },  # fmt: skip
     True,
     {},
     "not a schema",

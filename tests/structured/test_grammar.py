@@ -235,3 +235,33 @@ def test_grammar_end_ends_the_sequence_despite_min_tokens_and_ignore_eos(
     assert reason == "stop"
     assert seq.output_token_ids[-1] in eos
     assert smol_tokenizer.decode(seq.output_token_ids[:-1]) == "yes"
+
+
+def test_required_tool_schemas_keep_their_own_refs(
+    compiler: GrammarCompiler, smol_tokenizer: Tokenizer
+) -> None:
+    """tool_choice "required" wraps each tool's parameters in an array-of-calls schema; a tool
+    whose parameters refer into themselves ($defs, as pydantic writes nested models, or "#"
+    recursion) keeps meaning its own document (fault-tester finding: "Pointer '/$defs/s' does
+    not exist")."""
+    from router.tool_parsers import required_schema
+
+    nested = {"type": "object", "$defs": {"s": {"type": "string"}},
+              "properties": {"c": {"$ref": "#/$defs/s"}}, "required": ["c"]}  # fmt: skip
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": nested}},
+        {"type": "function", "function": {"name": "t", "parameters": tree}},
+    ]
+    schema = required_schema(tools)
+    spec = StructuredOutputSpec.json_schema(schema, "tools")
+    compiler.compile(spec)
+    good = [{"name": "a", "arguments": {"c": "x"}}, {"name": "t", "arguments": {"kids": [{}]}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "a", "arguments": {"c": 1}}],
+                [{"name": "t", "arguments": {"kids": [{"name": "t"}]}}]):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    text = json.dumps(good, separators=(",", ":"))
+    m = compiler.matcher(spec, smol_tokenizer.encode(text, add_special_tokens=False))
+    assert m.is_accepting
