@@ -74,6 +74,21 @@ class ToolSetup:
             return StructuredOutputSpec.json_schema(named_schema(tool), "tools")
         return None
 
+    def check_visible(self, template_renders_tools: bool) -> None:
+        """Refuse ``auto`` when the chat template does not show the model its tools: the model
+        would answer as if it had none, and nothing would tell the client. vLLM likewise refuses
+        ``auto`` unless it was started with a tool parser for the model's template. ``required``
+        and a named function still work (the output is constrained to the tools' schemas).
+        Raises BadRequest naming ``tool_choice``."""
+        if self.mode == "auto" and not template_renders_tools:
+            raise BadRequest(
+                "'tool_choice' 'auto' (the default with 'tools') needs a chat template that shows "
+                "the model its tools, and this model's template ignores 'tools'; use 'required' "
+                "or a named function (the output is then constrained to the tools' schemas), "
+                "'none', or serve with --chat-template FILE whose template renders 'tools'",
+                param="tool_choice",
+            )
+
     def split(self, text: str) -> ParsedOutput:
         """The complete output split into content and calls."""
         if self.mode == "none":

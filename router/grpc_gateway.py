@@ -126,6 +126,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
             chat = None
             if request.WhichOneof("input") == "chat":
                 chat = chat_inputs(request.chat, self.router.tool_parser)
+                if chat.tools is not None:
+                    chat.tools.check_visible(await self.router.prompts.renders_tools())
             sampling = self._sampling(request, chat.tools if chat else None)
             prompt = await self._prompt(request, chat)
             if sampling.structured is not None:

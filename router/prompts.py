@@ -59,6 +59,9 @@ def check_text(text: str, param: str) -> None:
         ) from None
 
 
+_PROBE_TOOL = "pdserve_probe_function"  # a made-up tool name: does the template print tools?
+
+
 class PromptPreparer:
     """Tokenizes prompts for the gateways on one thread of its own.
 
@@ -81,6 +84,7 @@ class PromptPreparer:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._grammar: GrammarCompiler | None = None  # built on the first structured request
         self._bytes_per_token: int | None = None  # bound on input bytes one token covers
+        self._renders_tools: bool | None = None  # the chat template shows a request's tools
 
     async def _run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()
@@ -184,6 +188,24 @@ class PromptPreparer:
             return await self._run(fn, conversation, chat_template=self.chat_template, **controls)
         except TokenizerError as e:
             raise BadRequest(str(e), param=_param(e, param, control_prefix)) from None
+
+    async def renders_tools(self) -> bool:
+        """Whether the chat template writes a request's ``tools`` into the prompt (some, such
+        as SmolLM2's, ignore them, so the model never learns of the tools). Probed once with a
+        made-up function; a template that fails on it counts as not rendering tools."""
+        if self._renders_tools is None:
+            probe = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {}}}
+            try:
+                text = await self._run(
+                    self.tokenizer.render_chat,
+                    [{"role": "user", "content": "hi"}],
+                    tools=[probe],
+                    chat_template=self.chat_template,
+                )
+            except TokenizerError:
+                text = ""
+            self._renders_tools = _PROBE_TOOL in text
+        return self._renders_tools
 
     @staticmethod
     def _conversation(messages: Sequence[Mapping[str, Any]], param: str) -> list[dict[str, Any]]:

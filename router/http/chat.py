@@ -38,6 +38,8 @@ async def chat_completion(
     RouterError subclasses (BadRequest naming the field, ...) before anything is sent."""
     check_model(router, body.model)
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, router.tool_parser)
+    if tools is not None:
+        tools.check_visible(await router.prompts.renders_tools())
     sampling = sampling_params(
         functools.partial(body.to_sampling_params, tools.spec() if tools else None)
     )

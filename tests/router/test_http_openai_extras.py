@@ -178,6 +178,44 @@ async def test_valid_constraint_forms_are_accepted(tokenizer: Tokenizer, extra: 
         assert r.status_code == 200, r.text
 
 
+async def test_auto_tools_need_a_template_that_shows_them(tokenizer: Tokenizer) -> None:
+    """SmolLM2's own template ignores 'tools': 'auto' (the default with tools) is a 400 naming
+    tool_choice, as vLLM refuses 'auto' without a tool parser (new-user report: the model
+    answered in prose and nothing said why); 'required' and 'none' still work; gRPC alike."""
+    script = tokenizer.encode('[{"name":"get_weather","arguments":{"city":"P"}}]',
+                              add_special_tokens=False) + [EOS]  # fmt: skip
+    c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+    router = Router(RouterConfig(model_name="smollm2", max_model_len=512), tokenizer, c.pool)
+    assert not await router.prompts.renders_tools()
+    gw = GrpcGateway(router, host="127.0.0.1", port=0)
+    await gw.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+    transport = httpx.ASGITransport(app=build_app(router))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 32}
+            for extra in ({}, {"tool_choice": "auto"}):
+                r = await http.post("/v1/chat/completions", json={**body, **extra})
+                assert_openai_error(r, 400, "tool_choice")
+                assert "template ignores 'tools'" in r.json()["error"]["message"]
+            for choice in ("required", "none"):
+                r = await http.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+                assert r.status_code == 200, r.text
+        stub = gpb_grpc.GenerationStub(channel)
+        chat = gpb.ChatMessages(
+            messages=[gpb.ChatMessage(role="user", content="Weather in Paris?")],
+            tools_json=json.dumps([WEATHER]),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(gpb.GenerateRequest(chat=chat)).read()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tool_choice" in e.value.details()
+    finally:
+        await channel.close()
+        await gw.stop(0)
+        await c.close()
+
+
 async def test_json_schemas_reach_the_workers_closed(tokenizer: Tokenizer) -> None:
     """response_format, structured_outputs and guided_json schemas are closed as vLLM's default
     backend (xgrammar, strict mode) closes them: a listed object admits only its properties
