@@ -49,6 +49,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             mod.register(sub)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
+    parser.set_defaults(command_parsers=sub.choices)  # main reports unknown flags with them
     return parser
 
 
@@ -60,7 +61,10 @@ def _not_yet(name: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(args_list)
-    args = parser.parse_args(args_list)
+    args, unknown = parser.parse_known_args(args_list)
+    if unknown:  # name the subcommand's usage, not the top level's (`pdserve serve --typo`)
+        where = args.command_parsers.get(args.command or "", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

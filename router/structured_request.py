@@ -28,6 +28,10 @@ from router.errors import BadRequest
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 # the constraint keys of vLLM's StructuredOutputsParams, in its order; exactly one must be set
 _VLLM_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# its option keys (vLLM's names), accepted and ignored here: JSON is generated compact, objects
+# closed (pdserve/structured/strict.py), and there is one backend
+_VLLM_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                 "whitespace_pattern")  # fmt: skip
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
@@ -52,9 +56,10 @@ def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec 
     """The spec OpenAI's ``response_format`` asks for (None for an absent one or ``text``).
 
     OpenAI's API reference and vLLM both make ``type`` required: ``text``, ``json_object`` or
-    ``json_schema`` (vLLM's ``structural_tag`` is not supported here). Raises BadRequest naming
-    ``response_format.type`` when it is missing or another value, and ``response_format`` when a
-    ``json_schema`` lacks its schema.
+    ``json_schema`` (vLLM's ``structural_tag`` is not supported here); a ``json_schema`` needs
+    its ``name`` (OpenAI's reference), and its ``schema``, when given, is an object (absent: any
+    JSON value). Raises BadRequest naming ``response_format.type`` when it is missing or another
+    value, and the ``json_schema`` field at fault.
     """
     if fmt is None:
         return None
@@ -65,10 +70,21 @@ def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec 
         return _spec("json_object", None, "response_format")
     if kind == "json_schema":
         js = fmt.get("json_schema")
-        if not isinstance(js, Mapping) or not isinstance(js.get("schema", {}), (Mapping, bool)):
+        if not isinstance(js, Mapping):
             raise BadRequest(
                 "'response_format' of type 'json_schema' needs 'json_schema': {'name', 'schema'}",
                 param="response_format",
+            )
+        if not isinstance(js.get("name"), str) or not js["name"]:
+            raise BadRequest(
+                "'response_format.json_schema.name' is required (a non-empty string)",
+                param="response_format.json_schema.name",
+            )
+        if not isinstance(js.get("schema", {}), (Mapping, bool)):
+            raise BadRequest(
+                "'response_format.json_schema.schema' must be a JSON schema (an object), got "
+                f"{type(js['schema']).__name__}",
+                param="response_format.json_schema.schema",
             )
         return _spec("json_schema", js.get("schema", {}), "response_format")
     allowed = ", ".join(repr(k) for k in _RESPONSE_FORMAT_TYPES)
@@ -89,12 +105,21 @@ def structured_outputs_spec(so: Mapping[str, Any]) -> StructuredOutputSpec:
 
     As vLLM's ``StructuredOutputsParams`` does, it must set exactly one constraint: ``json``,
     ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag`` (null, and
-    ``json_object: false``, count as unset). Option keys beside it (``disable_any_whitespace``
-    ...) are ignored. Raises BadRequest naming ``structured_outputs`` when none or several are
-    set, or the one set is ``structural_tag`` (not supported here) or malformed.
+    ``json_object: false``, count as unset). vLLM's option keys beside it
+    (``disable_any_whitespace`` ...) are ignored. Raises BadRequest naming
+    ``structured_outputs`` when none or several are set, a key is unknown (a misspelt
+    constraint would otherwise read as none), or the one set is ``structural_tag`` (not
+    supported here) or malformed.
     """
+    kinds = ", ".join(repr(k) for k in _VLLM_CONSTRAINTS if k != "structural_tag")
+    unknown = [k for k in so if k not in _VLLM_CONSTRAINTS and k not in _VLLM_OPTIONS]
+    if unknown:
+        shown = ", ".join(repr(str(k)[:40]) for k in unknown[:5])
+        raise BadRequest(
+            f"'structured_outputs' has unknown key(s) {shown}; its constraint is one of {kinds}",
+            param="structured_outputs",
+        )
     given = [k for k in _VLLM_CONSTRAINTS if so.get(k) is not None and so.get(k) is not False]
-    kinds = ", ".join(repr(k) for k in _VLLM_CONSTRAINTS)
     if not given:
         raise BadRequest(
             f"'structured_outputs' sets no constraint; it must set exactly one of {kinds}",

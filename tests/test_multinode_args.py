@@ -56,3 +56,20 @@ def test_a_bad_resource_flag_names_itself(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         build_parser(["serve"]).parse_args(["serve", "--decode-resources", '{"x": -1}'])
     assert "--decode-resources" in capsys.readouterr().err
+
+
+def test_unknown_flags_show_the_subcommand_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """New-user report: `pdserve serve --gpu-memory-utilization 0.5` printed the top-level
+    usage; the error now names the subcommand, and help does not state a default twice."""
+    from pdserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--gpu-memory-utilization", "0.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pdserve serve" in err
+    assert "pdserve serve: error: unrecognized arguments: --gpu-memory-utilization 0.5" in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "Ray places freely)" in out and "(default: {})" not in out

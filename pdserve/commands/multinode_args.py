@@ -55,7 +55,7 @@ def add_multinode_args(p: argparse.ArgumentParser, *, launches_workers: bool) ->
                 metavar="JSON",
                 help=f"Ray custom resources each {role} worker needs, e.g. "
                 f"'{{\"pdserve_{role}\": 1}}' for nodes started with `ray start --resources` "
-                "(default: none, Ray places freely)",
+                "(default: none, Ray places freely)%(default).0s",  # no second default note
             )
     g.add_argument(
         "--internal-token",
