@@ -10,7 +10,6 @@ template family's parser), ``required`` (the output is constrained to a JSON arr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +118,7 @@ class ToolStream:
     Calls stream as they are generated, as OpenAI and vLLM do: a call's first entry carries its
     id, type and name (with the first piece of its arguments, if any), later ones
     ``{"index": i, "function": {"arguments": piece}}``. The pieces join to the generated JSON
-    text as is (the whole response re-serialises it; both parse alike). A named choice's output
+    text as is, the same bytes the whole response carries. A named choice's output
     is its one call's arguments; ``auto`` and ``required`` go through the template family's
     parser (:class:`router.tool_parsers.StreamingToolParser`).
     """
@@ -164,11 +163,9 @@ class ToolStream:
 
 
 def _named_call(name: str, text: str) -> ToolCall:
-    try:
-        args = json.dumps(json_text.loads(text), ensure_ascii=False)
-    except ValueError:
-        args = text  # cut by max_tokens: pass on what was generated
-    return ToolCall(name, args, new_call_id())
+    """A named choice's one call: its arguments the text as generated (the bytes a stream of
+    the same output sends; cut by max_tokens, what was generated)."""
+    return ToolCall(name, text, new_call_id())
 
 
 def tool_setup(
