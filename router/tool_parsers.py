@@ -277,7 +277,9 @@ class StreamingToolParser:
 
     A call is passed on as it is generated: its first delta (id and name) once its ``name``
     string is complete, then its ``arguments`` text piece by piece as written (an arguments
-    value written as a JSON string is decoded and passed on whole when it closes). So the calls
+    value written as a JSON string is decoded and passed on whole when it closes; one that is
+    not valid JSON text, or holds a lone surrogate escape, is passed on as written). A hermes
+    call ends at the first ``</tool_call>``, even one inside a JSON string. So the calls
     a stream adds up to (:func:`join_deltas`) are the whole parse's, whatever the cuts: a call
     cut off by max_tokens keeps the arguments generated, and an array's items or trailing text
     that are not calls are dropped once a region holds a call. A region in which no call was
