@@ -33,6 +33,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The ``pdserve`` parser, with the subcommand ``argv`` names fully registered."""
+    return _build(argv)[0]
+
+
+def _build(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """(the parser, its subcommand parsers by name)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
@@ -49,8 +55,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             mod.register(sub)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
-    parser.set_defaults(command_parsers=sub.choices)  # main reports unknown flags with them
-    return parser
+    return parser, sub.choices
 
 
 def _not_yet(name: str) -> int:
@@ -60,10 +65,10 @@ def _not_yet(name: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(args_list)
+    parser, commands = _build(args_list)
     args, unknown = parser.parse_known_args(args_list)
     if unknown:  # name the subcommand's usage, not the top level's (`pdserve serve --typo`)
-        where = args.command_parsers.get(args.command or "", parser)
+        where = commands.get(args.command or "", parser)
         where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
