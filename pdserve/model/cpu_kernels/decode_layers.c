@@ -290,6 +290,10 @@ enum { CH_FREE = 0, CH_MAIN = 1, CH_HELPER = 2, CH_DONE = 3 }; /* low 2 bits of 
 #define MAX_CHUNKS 1024
 #define CHUNK_BYTES (96 * 1024) /* weight bytes per matmul chunk: ~7 us at 14 GB/s */
 #define HELPER_SPIN_NS 300000   /* an idle helper spins this long before it sleeps */
+/* A step shares an op only when the helper ran this recently (its beat_ns): longer than a chunk
+ * takes (~5-30 us), far shorter than a time slice the helper waits for when another thread has
+ * its CPU (see helper_on_cpu) */
+#define HELPER_FRESH_NS 100000
 #define HELPER_THREAD_NAME "pdserve-helper"
 #define TAG(seq, st) ((seq) << 2 | (uint64_t)(st))
 
@@ -323,6 +327,7 @@ typedef struct {
     _Atomic uint64_t in_op;   /* the seq of the op the helper is inside, 0 outside any */
     _Atomic int active;       /* a step is running: spin, do not sleep */
     _Atomic uint32_t wake;    /* futex word, bumped when a step starts */
+    _Atomic int64_t beat_ns;  /* when the helper last ran: spinning for work, or a chunk done */
     _Atomic uint64_t chunks_helper, chunks_taken_back; /* counters (pd_decode_helper_stats) */
     _Atomic int64_t delay_ns; /* tests: the helper naps this long after each claim */
 } Pool;
@@ -429,6 +434,7 @@ static void *helper_main(void *arg) {
         if (s == seen || (s & 1)) {
             if (atomic_load(&pool.active)) {
                 idle_since = now_ns();
+                atomic_store_explicit(&pool.beat_ns, idle_since, memory_order_relaxed);
             } else if (nice >= 0 || now_ns() - idle_since > HELPER_SPIN_NS) {
                 /* a helper that competes for its CPU (nice >= 0) spins only inside an op: its
                  * spinning would take time from the threads it shares the CPU with */
@@ -470,6 +476,7 @@ static void *helper_main(void *arg) {
                                                TAG(s, rc == 0 ? CH_DONE : CH_FREE)) &&
                 rc == 0)
                 atomic_fetch_add(&pool.chunks_helper, 1);
+            atomic_store_explicit(&pool.beat_ns, now_ns(), memory_order_relaxed);
         }
         atomic_store(&pool.in_op, 0);
         idle_since = now_ns();
@@ -508,6 +515,18 @@ static int pool_start(void) {
     }
     pthread_mutex_unlock(&pool_start_lock);
     return atomic_load(&pool.started) == 1;
+}
+
+/* Whether the helper is running on a CPU now (it ran within HELPER_FRESH_NS). A step shares an
+ * op only then: sharing costs the step's own thread even when the helper takes no chunk (the
+ * operand copy for chunk calls, chunks that restart the weight prefetch, the attention one
+ * sequence a call without the next one's prefetch), and a SCHED_IDLE helper beside a busy CPU
+ * gets a slice now and then, claims a chunk and is preempted inside it. Measured: a decode step of
+ * 16 at context 300 (SmolLM2 bf16, one thread, Zen 5 EPYC) beside a prefill process on the other
+ * CPU took 22.3-23.1 ms sharing every op against 20.5 ms without the helper, the helper computing
+ * ~22 of ~1700 chunks a step (docs/benchmarks.md, session 33). */
+static inline int helper_on_cpu(void) {
+    return now_ns() - atomic_load_explicit(&pool.beat_ns, memory_order_relaxed) < HELPER_FRESH_NS;
 }
 
 /* Publish job j (the step holds pool.lock). Returns its seq. */
@@ -804,7 +823,8 @@ typedef struct {
 static int linear(const Step *st, const void *x, int64_t B, int64_t k, const void *packed,
                   int64_t n, const void *bias, void *y, int64_t ldy) {
     const DlModel *m = st->ctx->model;
-    if (!st->shared) return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
+    if (!st->shared || !helper_on_cpu())
+        return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
     const int dt = m->dtype;
     const int path = m->prepare(dt, x, B, k, k, st->ctx->prep);
     if (path < 0) return -2;
@@ -825,7 +845,7 @@ static int attend(const Step *st, const DlLayer *L, const void *q, int64_t B, co
                   int64_t table_stride, const int32_t *seq_lens, void *out) {
     const DlModel *m = st->ctx->model;
     const int64_t q_n = (int64_t)m->heads * m->head_dim;
-    if (!st->shared)
+    if (!st->shared || !helper_on_cpu())
         return m->attend(q, q_n, m->head_dim, m->dtype, L->k_cache, L->v_cache, m->blk_stride,
                          m->dtype, tables, table_stride, seq_lens, NULL, out, q_n, m->head_dim,
                          (int)B, m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
