@@ -112,6 +112,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         lib.pd_decode_ctx_free.argtypes, lib.pd_decode_ctx_free.restype = [_P], None
         lib.pd_decode_helper_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 2
         lib.pd_decode_helper_stats.restype = None
+        lib.pd_decode_helper_ops.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 2
+        lib.pd_decode_helper_ops.restype = None
         lib.pd_decode_helper_set_delay.argtypes = [ctypes.c_int64]
         lib.pd_decode_helper_set_delay.restype = None
     return lib, None
@@ -126,6 +128,18 @@ def helper_stats() -> tuple[int, int]:
     done, back = ctypes.c_uint64(), ctypes.c_uint64()
     lib.pd_decode_helper_stats(ctypes.byref(done), ctypes.byref(back))
     return done.value, back.value
+
+
+def helper_op_counts() -> tuple[int, int]:
+    """The ops (matmuls and attention calls) of steps that shared with the idle-core helper, in
+    this process: (ops handed out to the helper too, ops the step ran whole because the helper was
+    not running on a CPU then). (0, 0) where the library cannot be built."""
+    lib, _ = _library()
+    if lib is None:
+        return 0, 0
+    shared, alone = ctypes.c_uint64(), ctypes.c_uint64()
+    lib.pd_decode_helper_ops(ctypes.byref(shared), ctypes.byref(alone))
+    return shared.value, alone.value
 
 
 def set_helper_delay(seconds: float) -> None:

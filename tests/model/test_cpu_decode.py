@@ -369,6 +369,31 @@ def test_late_helper_chunks_are_taken_back(monkeypatch: pytest.MonkeyPatch) -> N
         assert torch.equal(run[1], off[1])
 
 
+def test_ops_run_whole_while_the_helper_is_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper that stops running (here: it naps a second inside the first chunk it claims, as
+    if preempted) makes the step stop handing out ops: the rest of the run's matmuls and
+    attention calls run whole on the step's thread, and the outputs stay bit-equal."""
+    _needs_kernel(torch.bfloat16)
+    lens = [33, 7, 64, 1, 20, 45, 16, 9]
+    before = _one_thread()
+    try:
+        off = _decode_run(SMOL, "bfloat16", lens, 6, False, monkeypatch)
+        cpu_decode.set_helper_delay(1.0)
+        ops0 = cpu_decode.helper_op_counts()
+        on = _decode_run(SMOL, "bfloat16", lens, 6, True, monkeypatch)
+        ops1 = cpu_decode.helper_op_counts()
+    finally:
+        cpu_decode.set_helper_delay(0.0)
+        torch.set_num_threads(before)
+    shared, alone = ops1[0] - ops0[0], ops1[1] - ops0[1]
+    # 6 steps x (2 layers x (4 matmuls + attention) + the LM head): counted once each
+    assert shared + alone == 6 * (2 * 5 + 1)
+    # shared only until the helper's first claim (it may never run in the few ms the steps take)
+    assert alone >= (shared + alone) // 2
+    assert torch.equal(on[0], off[0])
+    assert torch.equal(on[1], off[1])
+
+
 def test_steps_of_two_models_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runners stepping in two threads: one holds the helper, the other runs alone (or
     waits its turn); both compute what they compute alone."""

@@ -329,6 +329,7 @@ typedef struct {
     _Atomic uint32_t wake;    /* futex word, bumped when a step starts */
     _Atomic int64_t beat_ns;  /* when the helper last ran: spinning for work, or a chunk done */
     _Atomic uint64_t chunks_helper, chunks_taken_back; /* counters (pd_decode_helper_stats) */
+    _Atomic uint64_t ops_shared, ops_alone; /* a step's ops by share_op (pd_decode_helper_ops) */
     _Atomic int64_t delay_ns; /* tests: the helper naps this long after each claim */
 } Pool;
 
@@ -766,6 +767,13 @@ void pd_decode_helper_stats(uint64_t *helper_chunks, uint64_t *taken_back) {
     *taken_back = atomic_load(&pool.chunks_taken_back);
 }
 
+/* The ops of shared steps since the process started: those shared with the helper, and those
+ * run whole because the helper was not on a CPU (share_op). */
+void pd_decode_helper_ops(uint64_t *shared, uint64_t *alone) {
+    *shared = atomic_load(&pool.ops_shared);
+    *alone = atomic_load(&pool.ops_alone);
+}
+
 /* Tests: make the helper nap ns nanoseconds after each chunk it claims (0: never), as if the OS
  * had preempted it, so the step takes chunks back. */
 void pd_decode_helper_set_delay(int64_t ns) { atomic_store(&pool.delay_ns, ns); }
@@ -819,12 +827,20 @@ typedef struct {
     int num_splits, attend_threads;
 } Step;
 
+/* Whether an op of step st goes to the helper too: in a shared step, while the helper is on a
+ * CPU (helper_on_cpu); counted either way. */
+static int share_op(const Step *st) {
+    if (!st->shared) return 0;
+    const int on = helper_on_cpu();
+    atomic_fetch_add_explicit(on ? &pool.ops_shared : &pool.ops_alone, 1, memory_order_relaxed);
+    return on;
+}
+
 /* y[B, n] (row stride ldy) = x[B, k] @ W^T + bias */
 static int linear(const Step *st, const void *x, int64_t B, int64_t k, const void *packed,
                   int64_t n, const void *bias, void *y, int64_t ldy) {
     const DlModel *m = st->ctx->model;
-    if (!st->shared || !helper_on_cpu())
-        return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
+    if (!share_op(st)) return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
     const int dt = m->dtype;
     const int path = m->prepare(dt, x, B, k, k, st->ctx->prep);
     if (path < 0) return -2;
@@ -845,7 +861,7 @@ static int attend(const Step *st, const DlLayer *L, const void *q, int64_t B, co
                   int64_t table_stride, const int32_t *seq_lens, void *out) {
     const DlModel *m = st->ctx->model;
     const int64_t q_n = (int64_t)m->heads * m->head_dim;
-    if (!st->shared || !helper_on_cpu())
+    if (!share_op(st))
         return m->attend(q, q_n, m->head_dim, m->dtype, L->k_cache, L->v_cache, m->blk_stride,
                          m->dtype, tables, table_stride, seq_lens, NULL, out, q_n, m->head_dim,
                          (int)B, m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
