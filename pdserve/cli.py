@@ -58,6 +58,21 @@ def _build(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, argparse
     return parser, sub.choices
 
 
+def _innermost(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the deepest subcommand ``args`` chose below ``parser`` (``pdserve bench
+    serve``'s for ``bench serve``), so an error shows that command's usage."""
+    while True:
+        action = next(
+            (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+        )
+        chosen = getattr(args, action.dest, None) if action is not None else None
+        if action is None or chosen not in action.choices:
+            return parser
+        parser = action.choices[chosen]
+
+
 def _not_yet(name: str) -> int:
     print(f"pdserve {name}: not yet available in this build", file=sys.stderr)
     return 2
@@ -68,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = _build(args_list)
     args, unknown = parser.parse_known_args(args_list)
     if unknown:  # name the subcommand's usage, not the top level's (`pdserve serve --typo`)
-        where = commands.get(args.command or "", parser)
-        where.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _innermost(commands.get(args.command or "", parser), args).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -73,3 +73,17 @@ def test_unknown_flags_show_the_subcommand_usage(capsys: pytest.CaptureFixture[s
         main(["serve", "--help"])
     out = capsys.readouterr().out
     assert "Ray places freely)" in out and "(default: {})" not in out
+
+
+def test_unknown_flags_of_a_nested_subcommand_show_its_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`pdserve bench serve --bogus` names `pdserve bench serve`, not `pdserve bench`."""
+    from pdserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pdserve bench serve" in err
+    assert "pdserve bench serve: error: unrecognized arguments: --bogus" in err
