@@ -153,15 +153,20 @@ def test_a_sharing_prefill_engine_holds_panels(monkeypatch: pytest.MonkeyPatch) 
             share_prefill_linears(None)
 
 
+def _comm(tid: str) -> str:
+    """Thread ``tid``'s name; '' for one that ended after the listing."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 @needs_shared
 def test_restore_priority_leaves_the_helper_alone(sharing: None) -> None:
     layer = PackedLinear(torch.randn(64, 32), None, skinny=True)
     layer(torch.randn(100, 32))  # starts the helper
-    tids = [
-        int(t)
-        for t in os.listdir("/proc/self/task")
-        if open(f"/proc/self/task/{t}/comm").read().strip() == HELPER_THREAD_NAME
-    ]
+    tids = [int(t) for t in os.listdir("/proc/self/task") if _comm(t) == HELPER_THREAD_NAME]
     assert len(tids) == 1
     deadline = time.monotonic() + 30  # the helper applies its niceness on its next turn
     while os.getpriority(os.PRIO_PROCESS, tids[0]) != 5 and time.monotonic() < deadline:
