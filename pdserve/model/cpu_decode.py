@@ -119,27 +119,27 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def helper_stats() -> tuple[int, int]:
-    """The idle-core helper's counters in this process: (chunks it computed, chunks it had claimed
-    that the step took back because it was late). (0, 0) where the library cannot be built."""
+def _counter_pair(name: str) -> tuple[int, int]:
+    """The two uint64 counters the library's ``name`` reports; (0, 0) where it cannot be built."""
     lib, _ = _library()
     if lib is None:
         return 0, 0
-    done, back = ctypes.c_uint64(), ctypes.c_uint64()
-    lib.pd_decode_helper_stats(ctypes.byref(done), ctypes.byref(back))
-    return done.value, back.value
+    a, b = ctypes.c_uint64(), ctypes.c_uint64()
+    getattr(lib, name)(ctypes.byref(a), ctypes.byref(b))
+    return a.value, b.value
+
+
+def helper_stats() -> tuple[int, int]:
+    """The idle-core helper's counters in this process: (chunks it computed, chunks it had claimed
+    that the step took back because it was late). (0, 0) where the library cannot be built."""
+    return _counter_pair("pd_decode_helper_stats")
 
 
 def helper_op_counts() -> tuple[int, int]:
     """The ops (matmuls and attention calls) of steps that shared with the idle-core helper, in
     this process: (ops handed out to the helper too, ops the step ran whole because the helper was
     not running on a CPU then). (0, 0) where the library cannot be built."""
-    lib, _ = _library()
-    if lib is None:
-        return 0, 0
-    shared, alone = ctypes.c_uint64(), ctypes.c_uint64()
-    lib.pd_decode_helper_ops(ctypes.byref(shared), ctypes.byref(alone))
-    return shared.value, alone.value
+    return _counter_pair("pd_decode_helper_ops")
 
 
 def set_helper_delay(seconds: float) -> None:

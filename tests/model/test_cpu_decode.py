@@ -3,10 +3,11 @@ forward, the same greedy tokens, and it runs exactly where it should."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
@@ -317,10 +318,17 @@ def _until_helper_counted(
     return runs, cpu_decode.helper_stats()[counter] > start
 
 
-def _one_thread() -> int:
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Steps on one thread (the helper only joins single-threaded steps); on exit the thread
+    count is restored and the helper no longer naps (set_helper_delay)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the helper only joins single-threaded steps
-    return before
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        cpu_decode.set_helper_delay(0.0)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -332,14 +340,11 @@ def test_the_helper_changes_no_bit(name: str, dtype: str, monkeypatch: pytest.Mo
     _needs_kernel(tdt)
     model = SMOL if name == "smollm2-shapes" else MID
     lens = torch.randint(1, 70, (skinny_rows(tdt)[1],), generator=torch.Generator().manual_seed(2))
-    before = _one_thread()
-    try:
+    with _one_thread():
         off = _decode_run(model, dtype, lens.tolist(), 4, False, monkeypatch)
         runs, computed = _until_helper_counted(
             lambda: _decode_run(model, dtype, lens.tolist(), 4, True, monkeypatch), counter=0
         )
-    finally:
-        torch.set_num_threads(before)
     assert computed  # the helper computed chunks
     for on in runs:
         assert torch.equal(on[0], off[0])
@@ -352,17 +357,13 @@ def test_late_helper_chunks_are_taken_back(monkeypatch: pytest.MonkeyPatch) -> N
     naps inside their ops are freed only after it leaves."""
     _needs_kernel(torch.bfloat16)
     lens = [33, 7, 64, 1, 20, 45, 16, 9]
-    before = _one_thread()
-    try:
+    with _one_thread():
         off = _decode_run(SMOL, "bfloat16", lens, 3, False, monkeypatch)
         cpu_decode.set_helper_delay(0.003)
         runs, taken_back = _until_helper_counted(
             lambda: _decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch), counter=1
         )
         runs.append(_decode_run(SMOL, "bfloat16", lens, 3, True, monkeypatch))
-    finally:
-        cpu_decode.set_helper_delay(0.0)
-        torch.set_num_threads(before)
     assert taken_back  # the step took the napping helper's chunks back
     for run in runs:
         assert torch.equal(run[0], off[0])
@@ -375,16 +376,12 @@ def test_ops_run_whole_while_the_helper_is_off_cpu(monkeypatch: pytest.MonkeyPat
     attention calls run whole on the step's thread, and the outputs stay bit-equal."""
     _needs_kernel(torch.bfloat16)
     lens = [33, 7, 64, 1, 20, 45, 16, 9]
-    before = _one_thread()
-    try:
+    with _one_thread():
         off = _decode_run(SMOL, "bfloat16", lens, 6, False, monkeypatch)
         cpu_decode.set_helper_delay(1.0)
         ops0 = cpu_decode.helper_op_counts()
         on = _decode_run(SMOL, "bfloat16", lens, 6, True, monkeypatch)
         ops1 = cpu_decode.helper_op_counts()
-    finally:
-        cpu_decode.set_helper_delay(0.0)
-        torch.set_num_threads(before)
     shared, alone = ops1[0] - ops0[0], ops1[1] - ops0[1]
     # 6 steps x (2 layers x (4 matmuls + attention) + the LM head): counted once each
     assert shared + alone == 6 * (2 * 5 + 1)
@@ -399,8 +396,7 @@ def test_steps_of_two_models_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     waits its turn); both compute what they compute alone."""
     _needs_kernel(torch.float32)
     lens = [5, 9, 1, 13, 4]
-    before = _one_thread()
-    try:
+    with _one_thread():
         want = {n: _decode_run(n_cfg, "float32", lens, 6, False, monkeypatch)
                 for n, n_cfg in (("mid", MID), ("qwen2", QWEN))}  # fmt: skip
         got: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -417,8 +413,6 @@ def test_steps_of_two_models_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
             t.start()
         for t in threads:
             t.join(120)
-    finally:
-        torch.set_num_threads(before)
     assert not errors, errors
     for name, (logits, kv) in want.items():
         assert torch.equal(got[name][0], logits)
