@@ -113,7 +113,8 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="conditional disaggregation: prompts of at most this many tokens are prefilled on "
         "their decode worker while every prefill worker is backlogged and the local prefills in "
-        "flight there, this one included, total at most this many tokens (0 = off; default: "
+        "flight there, this one included, total at most this many tokens or, when longer, the "
+        "backlog it would wait behind (0 = off; default: "
         f"{CPU_MAX_LOCAL_PREFILL_LENGTH} when the decode workers run on CPUs, else 0)",
     )
     g.add_argument(

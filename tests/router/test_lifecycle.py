@@ -76,8 +76,9 @@ async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_
         lc = make(c, max_tokens=3, request_id="req-3", prompt=long_prompt, **cfg)
         assert await collect(lc) == expected(long_prompt, 3)
         assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 0
-        # local prefills in flight there: the prompt goes local only while they all fit 64 tokens
-        decode.local_prefill_tokens += 64 - len(PROMPT)
+        # local prefills in flight there: the prompt goes local only while they all fit the
+        # larger of the 64-token limit and the 1000 tokens it would wait behind on P
+        decode.local_prefill_tokens += 1000 - len(PROMPT)
         lc = make(c, max_tokens=3, request_id="req-4", **cfg)
         assert await collect(lc) == expected(PROMPT, 3)
         assert len(c.prefills[0].requests) == 2 and lc.num_local_prefills == 1
@@ -85,7 +86,7 @@ async def test_conditional_disaggregation_prefills_short_prompts_locally_behind_
         lc = make(c, max_tokens=3, request_id="req-5", **cfg)
         assert await collect(lc) == expected(PROMPT, 3)
         assert len(c.prefills[0].requests) == 3 and lc.num_local_prefills == 0
-        assert decode.local_prefill_tokens == 64 - len(PROMPT) + 1  # finished ones gave theirs back
+        assert decode.local_prefill_tokens == 1000 - len(PROMPT) + 1  # finished gave theirs back
     finally:
         await c.close()
 

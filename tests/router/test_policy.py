@@ -101,9 +101,18 @@ def test_conditional_disaggregation_needs_a_short_prompt_a_backlog_and_local_roo
     assert not prefill_locally(256, backlog, room, 512, 2000)  # p1 is not backlogged enough
     assert not prefill_locally(256, [], room, 512, 0)  # no prefill worker: not this rule's call
     # the gate: a decode worker's local prefills in flight, this one included, fit the limit
+    # or, when it is longer, the backlog the prompt would wait behind remotely (here p1's 1500)
     busy = [DecodeLoad("d0", free_blocks=10, running=4, local_prefill_tokens=300)]
     assert prefill_locally(212, backlog, busy, 512, 1024)
-    assert not prefill_locally(213, backlog, busy, 512, 1024)
+    assert prefill_locally(213, backlog, busy, 512, 1024)
+    assert prefill_locally(400, backlog, busy, 512, 1024)  # 700 in flight, behind 1500 remotely
+    short = [PrefillLoad("p0", queued_tokens=600)]
+    assert prefill_locally(212, short, busy, 512, 256)
+    assert prefill_locally(300, short, busy, 512, 256)  # 600 local against 600 remote
+    assert not prefill_locally(301, short, busy, 512, 256)
+    fuller = [DecodeLoad("d0", free_blocks=10, running=4, local_prefill_tokens=1400)]
+    assert prefill_locally(100, backlog, fuller, 512, 1024)
+    assert not prefill_locally(101, backlog, fuller, 512, 1024)  # local queue would be longer
     # a local request goes to the decode worker with the fewest local tokens in flight, if it
     # has room; without local prefill the local tokens do not count
     assert rank_decode(room, 4, local=True) == ["d1", "d0"]
