@@ -69,7 +69,24 @@
 #else
 #define MR 16
 #endif
-#define PF_LINES 64 /* software prefetch distance, in k steps (64-byte lines) */
+/* Software prefetch distance, in 64-byte lines of the panel stream (a k step of fp32, two of
+ * bf16). The AVX-512 blocks spend ~8 cycles of multiply-adds on a line at 16 rows, so 64 lines
+ * ahead covered only ~130 ns, about one DRAM latency on the Zen 5 EPYC of session 35; 160 lines
+ * (10 KB, far below any L2) cover it with room. SmolLM2-135M's 30 layers and LM head, one
+ * thread, best of 5, three alternated rounds (bench/skinny_gemm.py --threads 1): fp32 16 rows
+ * 20.3-21.3 ms at 160 lines against 24.4-24.9 at 64, 8 rows 14.5-16.2 against 18.2-18.6, 1 row
+ * 13.3-14.8 against 14.4-14.6; bf16 16 rows 11.1-11.5 against 12.2-12.5, 8 rows 8.1-8.3
+ * against 9.2-10.1, 1 row 6.8-7.4 against 7.9-8.1 (128 and 192 lines read about as 160; 256
+ * no better). A whole decode step of 16 at context 320 (bench/decode_throughput.py --compile,
+ * one thread, no helper, alternated twice): fp32 29.9-31.3 ms against 35.2-36.8, bf16
+ * 17.9-18.5 against 19.5-20.6. The AVX2 and AMX blocks keep the 64 lines they were measured
+ * with (not re-measured on those CPUs). */
+#if defined(__AVX512F__)
+#define PF_LINES 160
+#else
+#define PF_LINES 64
+#endif
+#define PF_LINES_AMX 64
 #define SKINNY_AMX_MIN_ROWS 2 /* rows from which bf16 takes the AMX path where there is one */
 
 int pd_skinny_available(void) {
@@ -280,7 +297,7 @@ static int skinny_amx_enabled = 1;
 /* The bf16 panels on AMX tiles, k a multiple of 32: the panel layout [k / 2][16][2] is exactly a
  * TDPBF16PS B operand (16 pair rows of 16 columns, 1 KB per 32 k), so each 1 KB of the stream is
  * one tile load and one tile multiply against 16 rows of x (zero rows padding m to 16), with the
- * same software prefetch PF_LINES lines ahead as the vector blocks. tmm0: the 16 x 16 fp32 sums,
+ * software prefetch PF_LINES_AMX lines ahead. tmm0: the 16 x 16 fp32 sums,
  * tmm1: x rows, tmm2: the panel. One thread's share of the panels; configures the tile unit on
  * entry and releases it on exit (oneDNN configures its own). */
 static void panels_amx(const uint16_t *xpad, int64_t m, int64_t k, const uint16_t *packed,
@@ -297,7 +314,7 @@ static void panels_amx(const uint16_t *xpad, int64_t m, int64_t k, const uint16_
         for (int64_t kb = 0; kb < k; kb += 32) {
             const uint16_t *w = panel + kb * PANEL; /* 16 pair rows of 32 bf16 */
             for (int l = 0; l < 16; l++)
-                _mm_prefetch((const char *)(w + (PF_LINES + l) * 2 * PANEL), _MM_HINT_T1);
+                _mm_prefetch((const char *)(w + (PF_LINES_AMX + l) * 2 * PANEL), _MM_HINT_T1);
             _tile_loadd(1, xpad + kb, k * 2);
             _tile_loadd(2, w, 64);
             _tile_dpbf16ps(0, 1, 2);
