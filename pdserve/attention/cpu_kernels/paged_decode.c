@@ -1163,6 +1163,15 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
  * rounding of the 16-key tiles' (2.4e-7 at most in bench/prefill_attention.py's cases). Narrower
  * vectors keep 16-key tiles (their 16 registers hold no more accumulators). Session 20.
  *
+ * With head_dim 64 and 16-float vectors the weighted sum of V runs for four query vectors at
+ * once (pv_tile4_d64; in prefill_item_dp the same for its VDPBF16PS pairs): each V vector loaded
+ * feeds four multiply-adds into 16 independent accumulators, where one query vector at a time
+ * kept four dependent chains and loaded a V vector per multiply-add. Bit-equal outputs; one
+ * layer, one thread, Zen 5 EPYC, 286-token prompt (bench/prefill_attention.py --baseline-rev,
+ * session 35): fp32 0.830-0.842 vs 1.046-1.059 ms, bf16 0.600 vs 0.714; 256 after 256 cached
+ * fp32 1.763 vs 2.269, bf16 1.202 vs 1.479; whole forwards (--forward, six rounds) bf16 173-180
+ * vs 175-187 ms, fp32 283-299 vs 290-305.
+ *
  * Measured (one thread, Zen 4, SmolLM2-135M shapes: 9 query / 3 KV heads, head_dim 64, one
  * 270-token prompt, bf16): see docs/benchmarks.md (session 11) against torch's SDPA; the bf16
  * path (session 15, bench/prefill_attention.py) against the fp32 one: docs/benchmarks.md.
@@ -1194,6 +1203,32 @@ ALWAYS_INLINE void pv_tile(float *a, const float *p, const float *V, int see, co
     }
     for (int x = 0; x < D / VW; x++) memcpy(a + x * VW, &o[x], sizeof(vf));
 }
+
+#if VW == 16
+/* pv_tile for PF_QB query vectors at once, head_dim 64: a[b] [64] = a[b] * alpha[b] + sum over
+ * the tile's first `see` keys of p[b][j] * V[j] (p[b] zero past each query's own keys, so one
+ * loop serves them all). Each V row's four vectors feed 4 x PF_QB multiply-adds in 16
+ * independent accumulators, where pv_tile's one query keeps four chains waiting on the
+ * multiply-add latency and loads a V vector per multiply-add. */
+ALWAYS_INLINE void pv_tile4_d64(float *const a[PF_QB], const float alpha[PF_QB],
+                                const float p[PF_QB][PK], const float *V, int see) {
+    __m512 o[PF_QB][4];
+    for (int b = 0; b < PF_QB; b++) {
+        const __m512 al = _mm512_set1_ps(alpha[b]);
+        for (int x = 0; x < 4; x++) o[b][x] = _mm512_mul_ps(_mm512_load_ps(a[b] + 16 * x), al);
+    }
+    for (int jj = 0; jj < see; jj++) {
+        __m512 vv[4];
+        for (int x = 0; x < 4; x++) vv[x] = _mm512_load_ps(V + jj * 64 + 16 * x);
+        for (int b = 0; b < PF_QB; b++) {
+            const __m512 pj = _mm512_set1_ps(p[b][jj]);
+            for (int x = 0; x < 4; x++) o[b][x] = _mm512_fmadd_ps(pj, vv[x], o[b][x]);
+        }
+    }
+    for (int b = 0; b < PF_QB; b++)
+        for (int x = 0; x < 4; x++) _mm512_store_ps(a[b] + 16 * x, o[b][x]);
+}
+#endif
 
 /* One work item: query rows [t0, t0 + nr) of a chunk whose first row sits at position `first`
  * (tokens already in the pool before it), KV head kvh. */
@@ -1269,6 +1304,51 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                     memcpy(&kt, Kt + d * PK + kv * VW, sizeof kt);
                     for (int b = 0; b < PF_QB; b++) s[b][kv] += qrow[b][d] * kt;
                 }
+#if VW == 16
+            /* head_dim 64: the softmax of each query vector first, then one PV pass for all
+             * PF_QB (pv_tile4_d64); rows past nb, or masked out of this whole tile, take part
+             * with weight 0 and alpha 1 into a scratch accumulator (their own stays as is) */
+            if (D == 64) {
+                float pb[PF_QB][PK] __attribute__((aligned(64)));
+                float alb[PF_QB], scratch[64] __attribute__((aligned(64)));
+                float *ab[PF_QB];
+                int see_max = 0;
+                memset(scratch, 0, sizeof scratch);
+                for (int b = 0; b < PF_QB; b++) {
+                    const int iq = i0 + b;
+                    alb[b] = 1.0f;
+                    ab[b] = scratch;
+                    if (b >= nb || pos[iq] < j0) {
+                        memset(pb[b], 0, sizeof pb[b]);
+                        continue;
+                    }
+                    const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
+                    vf mv = (vf){0} - INFINITY;
+                    vu32 live[PKV];
+                    for (int kv = 0; kv < PKV; kv++) {
+                        vu32 lane;
+                        for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(kv * VW + e);
+                        live[kv] = (vu32)(lane < (uint32_t)see);
+                        s[b][kv] = vselect(live[kv], s[b][kv], (vf){0} - INFINITY);
+                        mv = vselect((vu32)(s[b][kv] > mv), s[b][kv], mv);
+                    }
+                    const float mt = hmax(mv) > m[iq] ? hmax(mv) : m[iq];
+                    alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
+                    vf sum = (vf){0};
+                    for (int kv = 0; kv < PKV; kv++) {
+                        const vf w = vselect(live[kv], exp_nonpos_v(s[b][kv] - mt), (vf){0});
+                        sum += w;
+                        memcpy(pb[b] + kv * VW, &w, sizeof w);
+                    }
+                    l[iq] = l[iq] * alb[b] + hsum(sum);
+                    m[iq] = mt;
+                    ab[b] = acc + iq * D;
+                    if (see > see_max) see_max = (int)see;
+                }
+                pv_tile4_d64(ab, alb, (const float(*)[PK])pb, V, see_max);
+                continue;
+            }
+#endif
             for (int b = 0; b < nb; b++) {
                 const int iq = i0 + b;
                 if (pos[iq] < j0) continue;
@@ -1399,6 +1479,69 @@ ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, cons
                     const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)qrow[b][i]);
                     for (int u = 0; u < PKDV; u++) sc[b][u] = _mm512_dpbf16_ps(sc[b][u], qp, kv[u]);
                 }
+            }
+            if (D == 64 && QBD == 4) {
+                /* the softmax of each query vector first, then one PV pass for all four: each
+                 * interleaved V pair row feeds 4 x 4 VDPBF16PS into 16 independent accumulators
+                 * (one query at a time keeps four chains waiting on the instruction's latency);
+                 * rows past nb, or masked out of this whole tile, take part with weight 0 and
+                 * alpha 1 into a scratch accumulator */
+                uint32_t ppb[QBD][PKD / 2] __attribute__((aligned(64)));
+                float alb[QBD], scratch[64] __attribute__((aligned(64)));
+                float *ab[QBD];
+                int see_max = 0;
+                memset(scratch, 0, sizeof scratch);
+                for (int b = 0; b < QBD; b++) {
+                    const int iq = i0 + b;
+                    alb[b] = 1.0f;
+                    ab[b] = scratch;
+                    if (b >= nb || pos[iq] < j0) {
+                        memset(ppb[b], 0, sizeof ppb[b]);
+                        continue;
+                    }
+                    const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
+                    vu32 live[PKDV];
+                    vf sv[PKDV], mv = (vf){0} - INFINITY;
+                    for (int u = 0; u < PKDV; u++) {
+                        vu32 lane;
+                        for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(16 * u + e);
+                        live[u] = (vu32)(lane < (uint32_t)see);
+                        sv[u] = vselect(live[u], (vf)sc[b][u] * scale, (vf){0} - INFINITY);
+                        mv = vselect((vu32)(sv[u] > mv), sv[u], mv);
+                    }
+                    const float tmax = hmax(mv), mt = tmax > m[iq] ? tmax : m[iq];
+                    alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
+                    vf wsum = (vf){0};
+                    for (int u = 0; u < PKDV; u++) {
+                        const vf w = vselect(live[u], exp_nonpos_v(sv[u] - mt), (vf){0});
+                        wsum += w;
+                        const __m256bh h = _mm512_cvtneps_pbh((__m512)w);
+                        memcpy(ppb[b] + 8 * u, &h, sizeof h);
+                    }
+                    l[iq] = l[iq] * alb[b] + hsum(wsum);
+                    m[iq] = mt;
+                    ab[b] = acc + iq * D;
+                    if (see > see_max) see_max = (int)see;
+                }
+                __m512 o[QBD][4];
+                for (int b = 0; b < QBD; b++) {
+                    const __m512 al = _mm512_set1_ps(alb[b]);
+                    for (int x = 0; x < 4; x++)
+                        o[b][x] = _mm512_mul_ps(_mm512_load_ps(ab[b] + 16 * x), al);
+                }
+                for (int jp = 0; jp < (see_max + 1) / 2; jp++) {
+                    const uint32_t *vrow = Vp + jp * 64;
+                    __m512bh vv[4];
+                    for (int x = 0; x < 4; x++)
+                        vv[x] = (__m512bh)_mm512_load_si512((const void *)(vrow + 16 * x));
+                    for (int b = 0; b < QBD; b++) {
+                        const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)ppb[b][jp]);
+                        for (int x = 0; x < 4; x++) o[b][x] = _mm512_dpbf16_ps(o[b][x], pv, vv[x]);
+                    }
+                }
+                for (int b = 0; b < QBD; b++)
+                    for (int x = 0; x < 4; x++) _mm512_store_ps(ab[b] + 16 * x, o[b][x]);
+                continue;
             }
             for (int b = 0; b < nb; b++) {
                 const int iq = i0 + b;
