@@ -5,7 +5,8 @@
   streams its weights and KV cannot beat;
 - **matmul rate** (GFLOP/s): square ``n x n`` products (``2 n^3`` FLOPs each) and the model's
   own linear layers (``[m, k] x [k, n]``, ``2 m k n`` FLOPs) at a decode batch and a prefill chunk,
-  in the served dtype, best of a few repeats;
+  in the served dtype, best of a few repeats (for the linears, the better of ``F.linear`` and
+  oneDNN's packed weight, which pdserve runs);
 - **CPU**: model name, logical CPUs, and the ``/proc/cpuinfo`` flags that decide the dtype
   (``amx_bf16``, ``avx512_bf16``, ``avx512f``, ``avx2``), as ``lscpu`` prints them.
 
@@ -82,14 +83,25 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
 
 
 def linear_gflops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 5) -> float:
-    """Measured ``F.linear`` rate in GFLOP/s: input ``[m, k]``, weight ``[n, k]``, ``2 m k n``."""
+    """Measured linear-layer rate in GFLOP/s: input ``[m, k]``, weight ``[n, k]``, ``2 m k n``
+    FLOPs, the better of ``F.linear`` and oneDNN's packed weight (:class:`PackedLinear
+    <pdserve.model.cpu_linear.PackedLinear>` without its skinny panels, where this torch build
+    and CPU pack ``dtype``). Both count: torch's fp32 ``F.linear`` goes through MKL, which runs
+    its AVX2 code on AMD CPUs (a Zen 5 EPYC core: 105-113 GFLOP/s at SmolLM2's prefill shapes)
+    while oneDNN's packed fp32 weight reaches 250-259 there (session 35), and pdserve's prefill
+    runs the packed one."""
     import torch
     import torch.nn.functional as F
+
+    from pdserve.model.cpu_linear import PackedLinear, can_pack
 
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     with torch.inference_mode():
         seconds = _best_seconds(lambda: F.linear(x, w), reps)
+        if can_pack(w):
+            packed = PackedLinear(w, None, batch_hint=m, skinny=False)
+            seconds = min(seconds, _best_seconds(lambda: packed(x), reps))
     return 2 * m * k * n / seconds / 1e9
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from pdserve.bench.machine import (
     RECORDED_FLAGS,
     _best_seconds,
     cpu_description,
+    linear_gflops,
     measure_machine,
     model_linear_shapes,
     torch_threads,
@@ -81,3 +83,26 @@ def test_best_seconds_repeats_for_the_minimum_time() -> None:
     calls.clear()
     _best_seconds(lambda: calls.append(1), reps=2, min_total_s=10.0)
     assert len(calls) == 1 + 40  # capped at 20 x reps when the minimum time is not reached
+
+
+def test_linear_rate_is_the_better_of_f_linear_and_the_packed_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdserve.bench import machine
+    from pdserve.model.cpu_linear import can_pack
+
+    timed: list[object] = []
+    seconds = iter([2.0, 0.5])  # F.linear first, then the packed oneDNN weight
+
+    def fake_best(fn: Callable[[], object], reps: int) -> float:
+        timed.append(fn())
+        return next(seconds)
+
+    monkeypatch.setattr(machine, "_best_seconds", fake_best)
+    rate = linear_gflops(torch.float32, 8, 64, 32, reps=1)
+    flops = 2 * 8 * 64 * 32
+    if can_pack(torch.zeros(32, 64)):
+        assert len(timed) == 2 and rate == pytest.approx(flops / 0.5 / 1e9)
+        assert all(isinstance(t, torch.Tensor) and t.shape == (8, 32) for t in timed)
+    else:  # no oneDNN in this build: F.linear alone
+        assert len(timed) == 1 and rate == pytest.approx(flops / 2.0 / 1e9)
