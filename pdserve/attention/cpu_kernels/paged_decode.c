@@ -213,12 +213,25 @@ typedef struct {
     int rate;           /* lines to issue a token of compute */
 } Pf;
 
-/* Issue up to `lines` prefetches (64-byte lines) from pf, in order. */
+/* Issue up to `lines` prefetches (64-byte lines) from pf, in order: a run's share in one tight
+ * loop, its bookkeeping once per run rather than once per line. Session 34 measured this on the
+ * attention alone (bench/cpu_attention.py: faster in cache, no faster or slower with every layer
+ * cold) and reverted it; session 35 measured whole decode steps, where a layer's KV arrives
+ * partly ahead of use (14 sequences at context 350, compiled SmolLM2, one thread, no helper,
+ * three alternated rounds, a /tmp loop over bench/prefill_thread_overlap.py's build()): bf16
+ * 14.7-16.0 ms against 15.8-17.3, fp32 27.3-27.5 against 26.7-28.0; served (disaggregated bf16
+ * main workload, two alternated pairs) 570.5 / 571.9 tok/s against 556.1 / 533.1, p99 TPOT
+ * 23.8-24.1 ms against 25.5-28.0. */
 ALWAYS_INLINE void pf_issue(Pf *pf, int lines) {
-    for (int i = 0; i < lines && pf->k < pf->nr; i++) {
-        __builtin_prefetch(pf->p[pf->k], 0, 2);
-        pf->p[pf->k] += 64;
-        if ((pf->n[pf->k] -= 64) <= 0) pf->k++;
+    while (lines > 0 && pf->k < pf->nr) {
+        const int k = pf->k;
+        const char *p = pf->p[k];
+        const int64_t left = (pf->n[k] + 63) >> 6;
+        const int take = left < lines ? (int)left : lines;
+        for (int i = 0; i < take; i++) __builtin_prefetch(p + 64 * i, 0, 2);
+        pf->p[k] = p + 64 * take;
+        if ((pf->n[k] -= 64 * (int64_t)take) <= 0) pf->k++;
+        lines -= take;
     }
 }
 
