@@ -88,7 +88,7 @@ def linear_gflops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 5) -> 
     <pdserve.model.cpu_linear.PackedLinear>` without its skinny panels, where this torch build
     and CPU pack ``dtype``). Both count: torch's fp32 ``F.linear`` goes through MKL, which runs
     its AVX2 code on AMD CPUs (a Zen 5 EPYC core: 105-113 GFLOP/s at SmolLM2's prefill shapes)
-    while oneDNN's packed fp32 weight reaches 250-259 there (session 35), and pdserve's prefill
+    while oneDNN's packed fp32 weight reaches 250-271 there (session 35), and pdserve's prefill
     runs the packed one."""
     import torch
     import torch.nn.functional as F
