@@ -1317,54 +1317,20 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                     memcpy(&kt, Kt + d * PK + kv * VW, sizeof kt);
                     for (int b = 0; b < PF_QB; b++) s[b][kv] += qrow[b][d] * kt;
                 }
-#if VW == 16
-            /* head_dim 64: the softmax of each query vector first, then one PV pass for all
-             * PF_QB (pv_tile4_d64); rows past nb, or masked out of this whole tile, take part
-             * with weight 0 and alpha 1 into a scratch accumulator (their own stays as is) */
-            if (D == 64) {
-                float pb[PF_QB][PK] __attribute__((aligned(64)));
-                float alb[PF_QB], scratch[64] __attribute__((aligned(64)));
-                float *ab[PF_QB];
-                int see_max = 0;
-                memset(scratch, 0, sizeof scratch);
-                for (int b = 0; b < PF_QB; b++) {
-                    const int iq = i0 + b;
-                    alb[b] = 1.0f;
-                    ab[b] = scratch;
-                    if (b >= nb || pos[iq] < j0) {
-                        memset(pb[b], 0, sizeof pb[b]);
-                        continue;
-                    }
-                    const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
-                    vf mv = (vf){0} - INFINITY;
-                    vu32 live[PKV];
-                    for (int kv = 0; kv < PKV; kv++) {
-                        vu32 lane;
-                        for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(kv * VW + e);
-                        live[kv] = (vu32)(lane < (uint32_t)see);
-                        s[b][kv] = vselect(live[kv], s[b][kv], (vf){0} - INFINITY);
-                        mv = vselect((vu32)(s[b][kv] > mv), s[b][kv], mv);
-                    }
-                    const float mt = hmax(mv) > m[iq] ? hmax(mv) : m[iq];
-                    alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
-                    vf sum = (vf){0};
-                    for (int kv = 0; kv < PKV; kv++) {
-                        const vf w = vselect(live[kv], exp_nonpos_v(s[b][kv] - mt), (vf){0});
-                        sum += w;
-                        memcpy(pb[b] + kv * VW, &w, sizeof w);
-                    }
-                    l[iq] = l[iq] * alb[b] + hsum(sum);
-                    m[iq] = mt;
-                    ab[b] = acc + iq * D;
-                    if (see > see_max) see_max = (int)see;
-                }
-                pv_tile4_d64(ab, alb, (const float(*)[PK])pb, V, see_max);
-                continue;
-            }
-#endif
-            for (int b = 0; b < nb; b++) {
+            /* each query vector's online-softmax update for this tile first (its weights in
+             * pb[b], zero past its own keys; alb[b] rescales its accumulator; seeb[b] its keys
+             * here, 0 for rows past nb or masked out of the whole tile), then the weighted sums */
+            float pb[PF_QB][PK] __attribute__((aligned(64)));
+            float alb[PF_QB];
+            int seeb[PF_QB], see_max = 0;
+            for (int b = 0; b < PF_QB; b++) {
                 const int iq = i0 + b;
-                if (pos[iq] < j0) continue;
+                alb[b] = 1.0f;
+                seeb[b] = 0;
+                if (b >= nb || pos[iq] < j0) {
+                    memset(pb[b], 0, sizeof pb[b]);
+                    continue;
+                }
                 /* lanes of keys past this query's position (or past the tile) get weight 0 */
                 const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
                 vf mv = (vf){0} - INFINITY;
@@ -1377,23 +1343,37 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                     mv = vselect((vu32)(s[b][kv] > mv), s[b][kv], mv);
                 }
                 const float mt = hmax(mv) > m[iq] ? hmax(mv) : m[iq];
-                const float alpha = expf(m[iq] - mt); /* 0 on the first tile */
-                float *a = acc + iq * D;
-                if (alpha != 1.0f)
-                    for (int d = 0; d < D; d++) a[d] *= alpha;
-                float p[PK] __attribute__((aligned(64)));
+                alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
                 vf sum = (vf){0};
                 for (int kv = 0; kv < PKV; kv++) {
                     const vf w = vselect(live[kv], exp_nonpos_v(s[b][kv] - mt), (vf){0});
                     sum += w;
-                    memcpy(p + kv * VW, &w, sizeof w);
+                    memcpy(pb[b] + kv * VW, &w, sizeof w);
                 }
-                l[iq] = l[iq] * alpha + hsum(sum);
+                l[iq] = l[iq] * alb[b] + hsum(sum);
                 m[iq] = mt;
+                seeb[b] = (int)see;
+                if (see > see_max) see_max = (int)see;
+            }
+#if VW == 16
+            if (D == 64) { /* all PF_QB in one pass; idle rows add weight 0 into a scratch row */
+                float scratch[64] __attribute__((aligned(64)));
+                float *ab[PF_QB];
+                memset(scratch, 0, sizeof scratch);
+                for (int b = 0; b < PF_QB; b++) ab[b] = seeb[b] ? acc + (i0 + b) * D : scratch;
+                pv_tile4_d64(ab, alb, (const float(*)[PK])pb, V, see_max);
+                continue;
+            }
+#endif
+            for (int b = 0; b < nb; b++) {
+                if (!seeb[b]) continue;
+                float *a = acc + (i0 + b) * D;
+                if (alb[b] != 1.0f)
+                    for (int d = 0; d < D; d++) a[d] *= alb[b];
                 if (D == 64)
-                    pv_tile(a, p, V, (int)see, 64);
+                    pv_tile(a, pb[b], V, seeb[b], 64);
                 else
-                    pv_tile(a, p, V, (int)see, D);
+                    pv_tile(a, pb[b], V, seeb[b], D);
             }
         }
     }
@@ -1493,51 +1473,56 @@ ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, cons
                     for (int u = 0; u < PKDV; u++) sc[b][u] = _mm512_dpbf16_ps(sc[b][u], qp, kv[u]);
                 }
             }
-            if (D == 64 && QBD == 4) {
-                /* the softmax of each query vector first, then one PV pass for all four: each
-                 * interleaved V pair row feeds 4 x 4 VDPBF16PS into 16 independent accumulators
-                 * (one query at a time keeps four chains waiting on the instruction's latency);
-                 * rows past nb, or masked out of this whole tile, take part with weight 0 and
-                 * alpha 1 into a scratch accumulator */
-                uint32_t ppb[QBD][PKD / 2] __attribute__((aligned(64)));
-                float alb[QBD], scratch[64] __attribute__((aligned(64)));
-                float *ab[QBD];
-                int see_max = 0;
-                memset(scratch, 0, sizeof scratch);
-                for (int b = 0; b < QBD; b++) {
-                    const int iq = i0 + b;
-                    alb[b] = 1.0f;
-                    ab[b] = scratch;
-                    if (b >= nb || pos[iq] < j0) {
-                        memset(ppb[b], 0, sizeof ppb[b]);
-                        continue;
-                    }
-                    const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
-                    vu32 live[PKDV];
-                    vf sv[PKDV], mv = (vf){0} - INFINITY;
-                    for (int u = 0; u < PKDV; u++) {
-                        vu32 lane;
-                        for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(16 * u + e);
-                        live[u] = (vu32)(lane < (uint32_t)see);
-                        sv[u] = vselect(live[u], (vf)sc[b][u] * scale, (vf){0} - INFINITY);
-                        mv = vselect((vu32)(sv[u] > mv), sv[u], mv);
-                    }
-                    const float tmax = hmax(mv), mt = tmax > m[iq] ? tmax : m[iq];
-                    alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
-                    vf wsum = (vf){0};
-                    for (int u = 0; u < PKDV; u++) {
-                        const vf w = vselect(live[u], exp_nonpos_v(sv[u] - mt), (vf){0});
-                        wsum += w;
-                        const __m256bh h = _mm512_cvtneps_pbh((__m512)w);
-                        memcpy(ppb[b] + 8 * u, &h, sizeof h);
-                    }
-                    l[iq] = l[iq] * alb[b] + hsum(wsum);
-                    m[iq] = mt;
-                    ab[b] = acc + iq * D;
-                    if (see > see_max) see_max = (int)see;
+            /* each query vector's online-softmax update for this tile first (its weights as
+             * bf16 pairs in ppb[b], zero past its own keys; alb[b] rescales its accumulator;
+             * seeb[b] its keys here, 0 for rows past nb or masked out of the whole tile), then
+             * the weighted sums */
+            uint32_t ppb[QBD][PKD / 2] __attribute__((aligned(64)));
+            float alb[QBD];
+            int seeb[QBD], see_max = 0;
+            for (int b = 0; b < QBD; b++) {
+                const int iq = i0 + b;
+                alb[b] = 1.0f;
+                seeb[b] = 0;
+                if (b >= nb || pos[iq] < j0) {
+                    memset(ppb[b], 0, sizeof ppb[b]);
+                    continue;
                 }
+                /* lanes of keys past this query's position (or past the tile) get weight 0 */
+                const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
+                vu32 live[PKDV];
+                vf sv[PKDV], mv = (vf){0} - INFINITY;
+                for (int u = 0; u < PKDV; u++) {
+                    vu32 lane;
+                    for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(16 * u + e);
+                    live[u] = (vu32)(lane < (uint32_t)see);
+                    sv[u] = vselect(live[u], (vf)sc[b][u] * scale, (vf){0} - INFINITY);
+                    mv = vselect((vu32)(sv[u] > mv), sv[u], mv);
+                }
+                const float tmax = hmax(mv), mt = tmax > m[iq] ? tmax : m[iq];
+                alb[b] = expf(m[iq] - mt); /* 0 on the first tile */
+                vf wsum = (vf){0};
+                for (int u = 0; u < PKDV; u++) {
+                    const vf w = vselect(live[u], exp_nonpos_v(sv[u] - mt), (vf){0});
+                    wsum += w;
+                    const __m256bh h = _mm512_cvtneps_pbh((__m512)w);
+                    memcpy(ppb[b] + 8 * u, &h, sizeof h);
+                }
+                l[iq] = l[iq] * alb[b] + hsum(wsum);
+                m[iq] = mt;
+                seeb[b] = (int)see;
+                if (see > see_max) see_max = (int)see;
+            }
+            if (D == 64 && QBD == 4) {
+                /* all four in one pass: each interleaved V pair row feeds 4 x 4 VDPBF16PS into
+                 * 16 independent accumulators (one query at a time keeps four chains waiting
+                 * on the instruction's latency); idle rows add weight 0 into a scratch row */
+                float scratch[64] __attribute__((aligned(64)));
+                float *ab[QBD];
+                memset(scratch, 0, sizeof scratch);
                 __m512 o[QBD][4];
                 for (int b = 0; b < QBD; b++) {
+                    ab[b] = seeb[b] ? acc + (i0 + b) * D : scratch;
                     const __m512 al = _mm512_set1_ps(alb[b]);
                     for (int x = 0; x < 4; x++)
                         o[b][x] = _mm512_mul_ps(_mm512_load_ps(ab[b] + 16 * x), al);
@@ -1557,38 +1542,14 @@ ALWAYS_INLINE void prefill_item_dp_body(const Cache *c, int G, const int D, cons
                 continue;
             }
             for (int b = 0; b < nb; b++) {
-                const int iq = i0 + b;
-                if (pos[iq] < j0) continue;
-                /* lanes of keys past this query's position (or past the tile) get weight 0 */
-                const int64_t see = pos[iq] - j0 + 1 < nk ? pos[iq] - j0 + 1 : nk;
-                vu32 live[PKDV];
-                vf sv[PKDV], mv = (vf){0} - INFINITY;
-                for (int u = 0; u < PKDV; u++) {
-                    vu32 lane;
-                    for (int e = 0; e < VW; e++) lane[e] = (uint32_t)(16 * u + e);
-                    live[u] = (vu32)(lane < (uint32_t)see);
-                    sv[u] = vselect(live[u], (vf)sc[b][u] * scale, (vf){0} - INFINITY);
-                    mv = vselect((vu32)(sv[u] > mv), sv[u], mv);
-                }
-                const float tmax = hmax(mv), mt = tmax > m[iq] ? tmax : m[iq];
-                const float alpha = expf(m[iq] - mt); /* 0 on the first tile */
-                uint32_t pp[PKD / 2] __attribute__((aligned(32)));
-                vf wsum = (vf){0};
-                for (int u = 0; u < PKDV; u++) {
-                    const vf w = vselect(live[u], exp_nonpos_v(sv[u] - mt), (vf){0});
-                    wsum += w;
-                    const __m256bh h = _mm512_cvtneps_pbh((__m512)w);
-                    memcpy(pp + 8 * u, &h, sizeof h);
-                }
-                l[iq] = l[iq] * alpha + hsum(wsum);
-                m[iq] = mt;
-                float *a = acc + iq * D;
+                if (!seeb[b]) continue;
+                float *a = acc + (i0 + b) * D;
                 __m512 o[PF_MAX_D / 16];
-                const __m512 al = _mm512_set1_ps(alpha);
+                const __m512 al = _mm512_set1_ps(alb[b]);
                 for (int x = 0; x < D / 16; x++)
                     o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), al);
-                for (int jp = 0; jp < (see + 1) / 2; jp++) {
-                    const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
+                for (int jp = 0; jp < (seeb[b] + 1) / 2; jp++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)ppb[b][jp]);
                     const uint32_t *vrow = Vp + jp * D;
                     for (int x = 0; x < D / 16; x++)
                         o[x] = _mm512_dpbf16_ps(
