@@ -266,7 +266,7 @@ class DecodeScheduler:
         free = self.kv.num_free_blocks
         table = None
         if need <= free - self.watermark_blocks:
-            table = self.kv.allocate_slots(seq.key, n, computed)
+            table = self.kv.allocate_slots(seq.key, n, computed, self._headroom(seq))
         if table is None:
             room = self.kv.num_blocks - self.watermark_blocks
             why = "never fits" if need > room else "retry later or elsewhere"
@@ -289,6 +289,15 @@ class DecodeScheduler:
             timeout = req.kv_timeout_s or self.default_kv_timeout_s
             seq.kv_deadline = self.clock() + timeout
         return table
+
+    def _headroom(self, seq: DecodeSeq) -> int:
+        """Tokens ``seq`` may still append: the rest of its ``max_tokens`` and of
+        ``max_model_len`` (a placement hint for its KV blocks, see ``allocate_slots``)."""
+        left = self.max_model_len - len(seq.token_ids)
+        max_tokens = seq.request.sampling.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(seq.output_token_ids))
+        return max(left, 0)
 
     def kv_arrived(self, request_id: str, transfer_id: int, first_token: SampledToken) -> bool:
         """The prompt's KV is in the reserved blocks and token 1 is ``first_token``.
@@ -392,13 +401,16 @@ class DecodeScheduler:
                 continue
             if out.num_decode_tokens >= budget:
                 break
-            table = self.kv.allocate_slots(seq.key, len(seq.token_ids))
+            headroom = self._headroom(seq)
+            table = self.kv.allocate_slots(seq.key, len(seq.token_ids), headroom_tokens=headroom)
             while table is None:
                 victim = self._running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
-                table = self.kv.allocate_slots(seq.key, len(seq.token_ids))
+                table = self.kv.allocate_slots(
+                    seq.key, len(seq.token_ids), headroom_tokens=headroom
+                )
             if table is None:
                 continue
             out.add(seq, seq.schedule(1, table), decode=True)

@@ -118,14 +118,23 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- allocation
     def allocate_slots(
-        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()
+        self,
+        request_id: str,
+        num_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        headroom_tokens: int = 0,
     ) -> list[int] | None:
         """Grow ``request_id``'s block table to cover ``num_tokens`` tokens in total.
 
         On the request's first call, ``computed_blocks`` (from ``get_computed_blocks``) become the
-        table's first entries. Returns a copy of the full block table, or None when the pool lacks
-        room (then nothing changes). Raises ValueError when ``computed_blocks`` is passed for a
-        request that already has a table or covers more than ``num_tokens``.
+        table's first entries. New blocks continue the table's last block where the pool can
+        (see :class:`BlockPool` on placement); ``headroom_tokens``: tokens the request may still
+        append after these (e.g. its remaining ``max_tokens``), for which the free blocks past
+        the table's end are kept back from other requests as long as others are free (nothing
+        is reserved: the count of free blocks does not change). Returns a copy of the full block
+        table, or None when the pool lacks room (then nothing changes). Raises ValueError when
+        ``computed_blocks`` is passed for a request that already has a table or covers more than
+        ``num_tokens``.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -139,7 +148,8 @@ class KVCacheManager:
                 return list(table)
             if need > pool.num_free_blocks:
                 return None
-            table.extend(pool.allocate(need))
+            after = table[-1] if table else None
+            table.extend(pool.allocate(need, after, self._headroom(num_tokens, headroom_tokens)))
             return list(table)
 
         computed = list(computed_blocks)
@@ -160,10 +170,19 @@ class KVCacheManager:
             if h is None:
                 raise AssertionError(f"computed block {b} lost its prefix hash")
             hashes.append(h)
-        table = computed + pool.allocate(need)
+        after = computed[-1] if computed else None
+        table = computed + pool.allocate(need, after, self._headroom(num_tokens, headroom_tokens))
         self._tables[request_id] = table
         self._hashes[request_id] = hashes
         return list(table)
+
+    def _headroom(self, num_tokens: int, headroom_tokens: int) -> int:
+        """Blocks beyond those covering ``num_tokens`` that ``headroom_tokens`` more would need."""
+        if headroom_tokens <= 0:
+            return 0
+        return self.num_blocks_needed(num_tokens + headroom_tokens) - self.num_blocks_needed(
+            num_tokens
+        )
 
     def cache_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int

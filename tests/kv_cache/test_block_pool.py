@@ -134,8 +134,8 @@ def test_eviction_prefers_free_blocks_then_lru_order() -> None:
     # Block 3 is free and uncached: it goes first, no eviction.
     assert pool.allocate(1) == [3]
     assert pool.lookup(102) == 2
-    # Then least recently freed first: 2, then 0.
-    assert pool.allocate(2) == [2, 0]
+    # Then least recently freed first: 2, then 0 (handed out in ascending order).
+    assert pool.allocate(2) == [0, 2]
     assert pool.lookup(102) is None and pool.lookup(100) is None and pool.lookup(101) == 1
     # A revived block is no longer evictable; touching 1 leaves nothing to evict.
     pool.touch([1])
@@ -162,3 +162,68 @@ def test_check_integrity_detects_wrong_holder_count() -> None:
         pool.check_integrity(expected_refs={a: 2})
     with pytest.raises(AssertionError, match="ref count 0 but 1 holders"):
         pool.check_integrity(expected_refs={a: 1, 1: 1})
+
+
+def test_placement_continues_a_table_and_extends_runs() -> None:
+    pool = BlockPool(12, enable_caching=False)
+    a = pool.allocate(3)  # [0, 1, 2]
+    b = pool.allocate(2)  # [3, 4]
+    assert (a, b) == ([0, 1, 2], [3, 4])
+    # a's next block would be 3 (taken): the free queue's head, then its free neighbours.
+    assert pool.allocate(2, after=a[-1]) == [5, 6]
+    pool.free([1, 0])  # queue: 7..11, 1, 0
+    # A run starting at the queue's head follows free upper neighbours, not queue order.
+    assert pool.allocate(3, after=None) == [7, 8, 9]
+    # after + 1 free: taken first, even though it sits at the back of the queue.
+    assert pool.allocate(2, after=0) == [1, 10]
+    pool.check_integrity()
+
+
+def test_headroom_keeps_blocks_past_a_table_for_its_growth() -> None:
+    pool = BlockPool(16, enable_caching=False)
+    a = pool.allocate(2, headroom=3)  # [0, 1]; 2, 3, 4 go to the back of the queue
+    b = pool.allocate(2, headroom=3)  # [5, 6]; 7, 8, 9 likewise
+    assert (a, b) == ([0, 1], [5, 6])
+    assert pool.allocate(1) == [10]  # a third request takes neither's headroom
+    assert pool.allocate(1, after=a[-1], headroom=2) == [2]
+    assert pool.allocate(1, after=b[-1]) == [7]
+    assert pool.num_free_blocks == 16 - 7  # nothing reserved: every free block still counts
+    # Once nothing else is free, headroom is handed out like any free block.
+    rest = pool.allocate(pool.num_free_blocks)
+    assert sorted(rest) == [3, 4, 8, 9, 11, 12, 13, 14, 15]
+    pool.check_integrity()
+    # Headroom stops at the first block that is not free and is bounded.
+    pool.free([3, 4])
+    pool.free([15])
+    assert pool.allocate(1, after=None, headroom=10**9) == [3]
+    pool.check_integrity()
+
+
+def test_evicted_blocks_come_out_ascending_but_in_lru_choice() -> None:
+    pool = BlockPool(6)
+    ids = pool.allocate(6)
+    for i, b in enumerate(ids):
+        pool.cache_block(b, 50 + i)
+    pool.free(reversed(ids))  # eviction order 5, 4, 3, 2, 1, 0
+    got = pool.allocate(3)
+    assert got == [3, 4, 5]  # the three least recently freed, ascending
+    assert [pool.lookup(50 + i) for i in range(3)] == [0, 1, 2]
+    pool.check_integrity()
+
+
+def test_growth_into_a_cached_neighbour_only_from_the_older_half() -> None:
+    pool = BlockPool(8)
+    ids = pool.allocate(8)
+    for b in ids:
+        pool.cache_block(b, 70 + b)
+    for b in ids:
+        pool.free([b])  # freed in id order: block b is the (b+1)-th oldest
+    pool.touch([2])  # a prefix hit revives block 2: a request's table ends there
+    # No free block left. Block 3 is in the older half of the LRU list (stamps 1..8): taken
+    # out of LRU order to continue the table.
+    assert pool.allocate(1, after=2) == [3]
+    assert pool.lookup(73) is None and pool.lookup(70) == 0
+    # Block 4 is younger than half the list's span: the least recently freed goes instead.
+    assert pool.allocate(1, after=3) == [0]
+    assert pool.lookup(74) == 4
+    pool.check_integrity()

@@ -34,11 +34,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.holders: list[list[int]] = []
         self.next_hash = 1
 
-    @rule(n=st.integers(0, 5))
-    def allocate(self, n: int) -> None:
+    @rule(n=st.integers(0, 5), after=st.none() | st.integers(-1, 8), headroom=st.integers(0, 4))
+    def allocate(self, n: int, after: int | None, headroom: int) -> None:
         before = self.pool.num_free_blocks
         try:
-            ids = self.pool.allocate(n)
+            ids = self.pool.allocate(n, after, headroom)
         except NoFreeBlocksError:
             assert n > before
             assert self.pool.num_free_blocks == before
@@ -104,8 +104,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.content: dict[int, tuple[int, ...]] = {}  # block -> tokens written to it
         self.n = 0
 
-    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=9), chunk=st.integers(1, 9))
-    def admit(self, prompt: list[int], chunk: int) -> None:
+    @rule(
+        prompt=st.lists(st.integers(0, 1), min_size=1, max_size=9),
+        chunk=st.integers(1, 9),
+        headroom=st.integers(0, 12),
+    )
+    def admit(self, prompt: list[int], chunk: int, headroom: int) -> None:
         blocks, cached = self.mgr.get_computed_blocks(prompt)
         assert cached == len(blocks) * self.BS < len(prompt)
         for i, b in enumerate(blocks):
@@ -114,7 +118,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.n += 1
         todo = min(len(prompt), cached + chunk)
         free_before = self.mgr.num_free_blocks
-        table = self.mgr.allocate_slots(rid, todo, blocks)
+        table = self.mgr.allocate_slots(rid, todo, blocks, headroom)
         if table is None:
             assert not self.mgr.has(rid) and self.mgr.num_free_blocks == free_before
             return
@@ -132,12 +136,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.reqs[rid] = (prompt, end)
 
     @precondition(lambda self: any(n < len(p) for p, n in self.reqs.values()))
-    @rule(data=st.data(), chunk=st.integers(1, 4))
-    def continue_chunk(self, data: st.DataObject, chunk: int) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 4), headroom=st.integers(0, 12))
+    def continue_chunk(self, data: st.DataObject, chunk: int, headroom: int) -> None:
         rid = data.draw(st.sampled_from(sorted(r for r, (p, n) in self.reqs.items() if n < len(p))))
         prompt, done = self.reqs[rid]
         end = min(len(prompt), done + chunk)
-        if self.mgr.allocate_slots(rid, end) is not None:
+        if self.mgr.allocate_slots(rid, end, headroom_tokens=headroom) is not None:
             self._compute(rid, prompt, done, end)
 
     @precondition(lambda self: self.reqs)

