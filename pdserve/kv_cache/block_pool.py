@@ -19,7 +19,11 @@ the free queue extends upward through free neighbours, evicted blocks are handed
 order, and ``headroom`` pushes the free blocks just past a table's end to the back of the free
 queue, so a growing request usually finds its next block adjacent. Nothing is reserved (the free
 count is unchanged), and eviction stays least recently freed first except that a growing table
-may take its cached upper neighbour when that one is in the older half of the LRU list.
+may take its cached upper neighbour when that one is among the oldest quarter of the LRU list.
+Such a neighbour is usually the first block of an old request's run, so its cached successors
+become unreachable (prefix lookups are chained) and wait on the LRU list for their turn. In a
+simulated multi-turn workload under cache pressure (/tmp script, docs/benchmarks.md session 36)
+this cost 0.4-0.5 points of prefix-cache hit rate where the oldest half cost 2.1-2.5.
 
 Prefix hashes are chained: the hash of block *i* covers the parent hash (block *i-1*) and block
 *i*'s tokens, so one hash names the whole prefix up to the end of that block (the scheme of
@@ -31,6 +35,7 @@ values for the same tokens.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -142,8 +147,8 @@ class BlockPool:
         Free blocks go first, in the free queue's order (FIFO; ascending on a fresh pool),
         except that each block taken is followed by its upper neighbour while that one is free,
         starting from ``after + 1`` when ``after`` (the caller's last block) is given. Then cached
-        blocks are evicted (their hashes dropped): the run's upper neighbour while it is in the
-        older half of the LRU list (by free order), then the least recently freed ones, handed
+        blocks are evicted (their hashes dropped): the run's upper neighbour while at most a
+        quarter of the LRU list was freed before it, then the least recently freed ones, handed
         out in ascending id order. ``headroom``: blocks the caller expects to append later; up
         to that many (at most ``MAX_HEADROOM_BLOCKS``) free blocks right after the last block
         handed out move to the back of the free queue, so other callers take them last.
@@ -158,7 +163,7 @@ class BlockPool:
             )
         out: list[int] = []
         free = self._free
-        nxt = -1 if after is None else after + 1
+        nxt = -1 if after is None else operator.index(after) + 1
         while len(out) < n and free:
             if nxt in free:
                 del free[nxt]
@@ -169,10 +174,11 @@ class BlockPool:
             nxt = b + 1
         if len(out) < n:
             lru = self._lru
-            # Continue the run into a cached neighbour only if it is in the older half of the
-            # LRU list (by free stamp): a bounded departure from strict LRU order.
+            # Continue the run into a cached neighbour only if it is among the oldest quarter of
+            # the LRU list: stamps ascend along the list, so at most ``lru[nxt] - oldest`` of its
+            # entries are older than ``nxt``.
             oldest = next(iter(lru.values()))
-            while len(out) < n and nxt in lru and lru[nxt] - oldest <= (self._stamp - oldest) // 2:
+            while len(out) < n and nxt in lru and lru[nxt] - oldest <= len(lru) // 4:
                 self._evict(nxt)
                 out.append(nxt)
                 nxt += 1

@@ -129,9 +129,11 @@ class KVCacheManager:
         On the request's first call, ``computed_blocks`` (from ``get_computed_blocks``) become the
         table's first entries. New blocks continue the table's last block where the pool can
         (see :class:`BlockPool` on placement); ``headroom_tokens``: tokens the request may still
-        append after these (e.g. its remaining ``max_tokens``), for which the free blocks past
-        the table's end are kept back from other requests as long as others are free (nothing
-        is reserved: the count of free blocks does not change). Returns a copy of the full block
+        append after these (e.g. its remaining ``max_tokens``): the free blocks past the table's
+        end that would hold them (at most ``BlockPool.MAX_HEADROOM_BLOCKS``) move to the back of
+        the free queue, so other requests reach them after the blocks queued before them. A
+        hint, not a reservation: the count of free blocks does not change, and blocks freed
+        later queue behind them. Returns a copy of the full block
         table, or None when the pool lacks room (then nothing changes). Raises ValueError when
         ``computed_blocks`` is passed for a request that already has a table or covers more than
         ``num_tokens``.

@@ -211,19 +211,48 @@ def test_evicted_blocks_come_out_ascending_but_in_lru_choice() -> None:
     pool.check_integrity()
 
 
-def test_growth_into_a_cached_neighbour_only_from_the_older_half() -> None:
-    pool = BlockPool(8)
-    ids = pool.allocate(8)
+def test_growth_into_a_cached_neighbour_only_from_the_oldest_quarter() -> None:
+    pool = BlockPool(10)
+    ids = pool.allocate(10)
     for b in ids:
         pool.cache_block(b, 70 + b)
     for b in ids:
-        pool.free([b])  # freed in id order: block b is the (b+1)-th oldest
-    pool.touch([2])  # a prefix hit revives block 2: a request's table ends there
-    # No free block left. Block 3 is in the older half of the LRU list (stamps 1..8): taken
-    # out of LRU order to continue the table.
-    assert pool.allocate(1, after=2) == [3]
-    assert pool.lookup(73) is None and pool.lookup(70) == 0
-    # Block 4 is younger than half the list's span: the least recently freed goes instead.
-    assert pool.allocate(1, after=3) == [0]
-    assert pool.lookup(74) == 4
+        pool.free([b])  # freed in id order: block b is the (b+1)-th oldest, stamp b + 1
+    pool.touch([1])  # a prefix hit revives block 1: a request's table ends there
+    # No free block left; the LRU list holds 9 blocks. Block 2 has one block freed before it
+    # (at most 9 // 4 = 2 may be): taken out of LRU order to continue the table.
+    assert pool.allocate(1, after=1) == [2]
+    assert pool.lookup(72) is None and pool.lookup(70) == 0
+    # Block 3 would have 3 older stamps ahead of it in a list of 8: the oldest goes instead.
+    assert pool.allocate(1, after=2) == [0]
+    assert pool.lookup(73) == 3
+    pool.check_integrity()
+
+
+def test_the_quarter_counts_entries_not_stamps() -> None:
+    """A hot block freed many times must not make every cold block count as old."""
+    pool = BlockPool(8)
+    ids = pool.allocate(8)
+    for b in ids:
+        pool.cache_block(b, 90 + b)
+    pool.free([b for b in ids if b != 7])
+    for _ in range(20):  # block 7: hit and freed again and again (stamps 8..27)
+        pool.free([7])
+        pool.touch([7])
+    pool.free([7])
+    pool.touch([0])
+    # LRU: blocks 1..6 (stamps 2..7), then 7 (stamp 28). Block 1 is the oldest: taken.
+    assert pool.allocate(1, after=0) == [1]
+    # Blocks 2..6 and 7 left: block 5 has three entries ahead of it, more than 6 // 4 = 1,
+    # although its stamp is in the older half of the stamps' span (3..28): the oldest goes.
+    assert pool.allocate(1, after=4) == [2]
+    assert pool.lookup(95) == 5
+    pool.check_integrity()
+
+
+def test_after_must_be_an_integer() -> None:
+    pool = BlockPool(4)
+    with pytest.raises(TypeError):
+        pool.allocate(1, after=1.0)  # type: ignore[arg-type]
+    assert pool.num_free_blocks == 4
     pool.check_integrity()
