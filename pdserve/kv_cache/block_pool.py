@@ -151,7 +151,8 @@ class BlockPool:
         quarter of the LRU list was freed before it, then the least recently freed ones, handed
         out in ascending id order. ``headroom``: blocks the caller expects to append later; up
         to that many (at most ``MAX_HEADROOM_BLOCKS``) free blocks right after the last block
-        handed out move to the back of the free queue, so other callers take them last.
+        handed out move to the back of the free queue, so other callers reach them after the
+        blocks queued before them (a hint: blocks freed later still queue behind them).
         Raises NoFreeBlocksError when ``n`` exceeds ``num_free_blocks`` (nothing changes),
         ValueError when ``n < 0``.
         """

@@ -133,10 +133,9 @@ class KVCacheManager:
         end that would hold them (at most ``BlockPool.MAX_HEADROOM_BLOCKS``) move to the back of
         the free queue, so other requests reach them after the blocks queued before them. A
         hint, not a reservation: the count of free blocks does not change, and blocks freed
-        later queue behind them. Returns a copy of the full block
-        table, or None when the pool lacks room (then nothing changes). Raises ValueError when
-        ``computed_blocks`` is passed for a request that already has a table or covers more than
-        ``num_tokens``.
+        later queue behind them. Returns a copy of the full block table, or None when the pool
+        lacks room (then nothing changes). Raises ValueError when ``computed_blocks`` is passed
+        for a request that already has a table or covers more than ``num_tokens``.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
