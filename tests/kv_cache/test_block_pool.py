@@ -199,12 +199,17 @@ def test_headroom_keeps_blocks_past_a_table_for_its_growth() -> None:
     pool.check_integrity()
 
 
+def _all_cached(num_blocks: int, first_hash: int) -> BlockPool:
+    """A pool whose every block is held and caches hash ``first_hash + block id``."""
+    pool = BlockPool(num_blocks)
+    for b in pool.allocate(num_blocks):
+        pool.cache_block(b, first_hash + b)
+    return pool
+
+
 def test_evicted_blocks_come_out_ascending_but_in_lru_choice() -> None:
-    pool = BlockPool(6)
-    ids = pool.allocate(6)
-    for i, b in enumerate(ids):
-        pool.cache_block(b, 50 + i)
-    pool.free(reversed(ids))  # eviction order 5, 4, 3, 2, 1, 0
+    pool = _all_cached(6, 50)
+    pool.free(reversed(range(6)))  # eviction order 5, 4, 3, 2, 1, 0
     got = pool.allocate(3)
     assert got == [3, 4, 5]  # the three least recently freed, ascending
     assert [pool.lookup(50 + i) for i in range(3)] == [0, 1, 2]
@@ -212,11 +217,8 @@ def test_evicted_blocks_come_out_ascending_but_in_lru_choice() -> None:
 
 
 def test_growth_into_a_cached_neighbour_only_from_the_oldest_quarter() -> None:
-    pool = BlockPool(10)
-    ids = pool.allocate(10)
-    for b in ids:
-        pool.cache_block(b, 70 + b)
-    for b in ids:
+    pool = _all_cached(10, 70)
+    for b in range(10):
         pool.free([b])  # freed in id order: block b is the (b+1)-th oldest, stamp b + 1
     pool.touch([1])  # a prefix hit revives block 1: a request's table ends there
     # No free block left; the LRU list holds 9 blocks. Block 2 has one block freed before it
@@ -231,11 +233,8 @@ def test_growth_into_a_cached_neighbour_only_from_the_oldest_quarter() -> None:
 
 def test_the_quarter_counts_entries_not_stamps() -> None:
     """A hot block freed many times must not make every cold block count as old."""
-    pool = BlockPool(8)
-    ids = pool.allocate(8)
-    for b in ids:
-        pool.cache_block(b, 90 + b)
-    pool.free([b for b in ids if b != 7])
+    pool = _all_cached(8, 90)
+    pool.free(range(7))
     for _ in range(20):  # block 7: hit and freed again and again (stamps 8..27)
         pool.free([7])
         pool.touch([7])
