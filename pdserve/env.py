@@ -18,6 +18,8 @@ Variables (all optional):
   ``gcc``, found on ``PATH``).
 - ``PDSERVE_CPU_SKINNY_GEMM``: ``0`` turns off the few-row fp32 and bf16 linear kernels
   (pdserve/model/cpu_linear.py) and with them the second copy of the weights they hold.
+- ``PDSERVE_CPU_WEIGHT_CODES``: ``0`` keeps fp32 panels for those kernels where a weight could be
+  held exactly as GGUF-style integer codes (``skinny_pack_codes`` in pdserve/model/cpu_linear.py).
 - ``PDSERVE_CPU_SAMPLING_KERNEL``: ``0`` makes the sampler use its torch path on the CPU instead
   of the C race and argmax kernel (pdserve/sampling_cpu.py).
 - ``PDSERVE_CPU_FUSED_DECODE``: ``0`` makes decode-only CPU steps run the model's forward instead
@@ -55,6 +57,7 @@ KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 CC = "CC"
 CPU_SKINNY_GEMM = "PDSERVE_CPU_SKINNY_GEMM"
+CPU_WEIGHT_CODES = "PDSERVE_CPU_WEIGHT_CODES"
 CPU_SAMPLING_KERNEL = "PDSERVE_CPU_SAMPLING_KERNEL"
 CPU_FUSED_DECODE = "PDSERVE_CPU_FUSED_DECODE"
 CPU_DECODE_HELPER = "PDSERVE_CPU_DECODE_HELPER"
@@ -137,6 +140,11 @@ def c_compiler() -> str | None:
 def cpu_skinny_gemm() -> bool:
     """False when ``PDSERVE_CPU_SKINNY_GEMM`` is ``0``, ``false``, ``no`` or ``off``; else True."""
     return _flag(CPU_SKINNY_GEMM)
+
+
+def cpu_weight_codes() -> bool:
+    """False when ``PDSERVE_CPU_WEIGHT_CODES`` is ``0``, ``false``, ``no`` or ``off``; else True."""
+    return _flag(CPU_WEIGHT_CODES)
 
 
 def cpu_sampling_kernel() -> bool:

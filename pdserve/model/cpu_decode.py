@@ -44,7 +44,13 @@ from pdserve.attention.cpu_build import load_library
 from pdserve.attention.cpu_kernels import decode_kernel
 from pdserve.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata, kernel_threads
 from pdserve.attention.cpu_paged import num_splits as decode_splits
-from pdserve.model.cpu_linear import PackedLinear, skinny_kernel, skinny_rows, skinny_split
+from pdserve.model.cpu_linear import (
+    PackedLinear,
+    panels_format,
+    skinny_gemm,
+    skinny_rows,
+    skinny_split,
+)
 from pdserve.model.layers import Attention, GatedMLP, RMSNorm
 from pdserve.model.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -65,7 +71,7 @@ class _Layer(ctypes.Structure):
             "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
             "k_cache", "v_cache",
         )
-    ]  # fmt: skip
+    ] + [(name, ctypes.c_int) for name in ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -90,6 +96,7 @@ class _Model(ctypes.Structure):
         ("final_norm", _P),
         ("lm_head", _P),
         ("vocab", ctypes.c_int),
+        ("lm_head_fmt", ctypes.c_int),
     ]
 
 
@@ -182,6 +189,13 @@ def _panels(linear: PackedLinear) -> int:
     return panels.data_ptr()
 
 
+def _format(linear: PackedLinear) -> int:
+    """The weight format (the skinny kernel's SK_* code) of a linear's panels."""
+    panels = linear.skinny_weight
+    assert panels is not None  # checked by _unfit
+    return panels_format(panels)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -214,6 +228,7 @@ class FusedDecode:
                 norm1.weight.data_ptr(), norm2.weight.data_ptr(),
                 _panels(qkv), _ptr(qkv.bias), _panels(o), _ptr(o.bias),
                 _panels(gate_up), _panels(down), k_cache.data_ptr(), v_cache.data_ptr(),
+                *(_format(m) for m in (qkv, o, gate_up, down)),
             )  # fmt: skip
         scale = cast(Attention, cast(DecoderLayer, model.model.layers[0]).self_attn).scale
         prepare, panels, prep_bytes = skinny_split()
@@ -224,9 +239,10 @@ class FusedDecode:
             _DTYPES[dtype], cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, self.block_size, len(layers),
             int(kv_caches[0][0].stride(0)), float(layers[0][0].eps), float(scale),
-            _addr(skinny_kernel(dtype)), _addr(prepare), _addr(panels), _addr(prep_bytes),
+            _addr(skinny_gemm()), _addr(prepare), _addr(panels), _addr(prep_bytes),
             _addr(decode_kernel()), self._layers, model.model.norm.weight.data_ptr(),
             None if lm_head is None else _panels(lm_head), self.vocab,
+            0 if lm_head is None else _format(lm_head),
         )  # fmt: skip
         self.helper = helper_applies()
         ctx = lib.pd_decode_ctx_new(ctypes.byref(self._model), self.rows[1], int(self.helper))

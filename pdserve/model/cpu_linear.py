@@ -26,6 +26,14 @@ in docs/benchmarks.md). The panels are a second copy of the weight:
 the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32, ~270
 MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by
 rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).
+
+fp32 weights dequantised from a GGUF file (the bundled SmolLM2: Q4_1 layers, a Q8_0 embedding)
+are integer codes times per-group scales; where the CPU has AVX-512F such a weight's panels hold
+those codes instead (:func:`skinny_pack_codes`), a fifth to a quarter of the bytes, rebuilt
+bit for bit in the kernel: the same results as fp32 panels, at 1.4-1.8x their speed for 1 to 8
+rows and about the same at 14-16 (SmolLM2-135M's decode GEMMs, Zen 5, one thread), with less of
+the memory traffic that a decode step shares with a prefill on the other core
+(``PDSERVE_CPU_WEIGHT_CODES=0`` keeps fp32 panels; docs/benchmarks.md, session 37).
 """
 
 from __future__ import annotations
@@ -82,7 +90,8 @@ class PackedLinear(nn.Module):
     ``weight`` [out, in] and ``bias`` [out] (or None) are dense CPU tensors of one dtype (fp32 or
     bf16); they are copied (the module does not alias them). ``skinny``: also hold panels for the
     skinny kernel (see the module docstring); None = wherever it applies (:func:`skinny_applies`),
-    False = never, True = required (RuntimeError when it does not apply).
+    False = never, True = required (RuntimeError when it does not apply). An fp32 weight that
+    is exactly GGUF-style codes gets coded panels (:func:`skinny_pack_codes`), else fp32 ones.
     Raises RuntimeError when oneDNN cannot pack this weight (see :func:`can_pack`).
     """
 
@@ -101,7 +110,10 @@ class PackedLinear(nn.Module):
             if use_skinny and not skinny_applies(weight):
                 why = skinny_reason(weight.dtype) or "needs a 2-D CPU weight, K even for bf16"
                 raise RuntimeError(f"skinny kernel unavailable for this weight: {why}")
-            self.skinny_weight = skinny_pack(weight.detach()) if use_skinny else None
+            self.skinny_weight: torch.Tensor | None = None
+            if use_skinny:
+                coded = skinny_pack_codes(weight) if weight.dtype == torch.float32 else None
+                self.skinny_weight = coded[0] if coded else skinny_pack(weight.detach())
         # an opaque MKL-DNN tensor, not a Parameter: nothing trains or serialises it
         self.packed_weight = packed
         self.bias = None if bias is None else bias.detach().clone()
@@ -116,7 +128,11 @@ class PackedLinear(nn.Module):
         return _packed_linear(x, self.packed_weight, self.skinny_weight, self.bias)
 
     def extra_repr(self) -> str:
-        kind = "oneDNN+skinny" if self.skinny_weight is not None else "oneDNN"
+        kind = "oneDNN"
+        if self.skinny_weight is not None:
+            kind += "+skinny" + {SK_Q4: "(4-bit codes)", SK_Q8: "(8-bit codes)"}.get(
+                panels_format(self.skinny_weight), ""
+            )
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
 
 
@@ -132,13 +148,13 @@ def _packed_linear(
     # the panels and bias come from PackedLinear (contiguous, fitting): only x is checked
     if (
         skinny_weight is not None
-        and x.dtype == skinny_weight.dtype
+        and x.dtype == _operand_dtype(skinny_weight)
         and x.is_cpu
         and x.shape[-1] == _panels_k(skinny_weight)
     ):
         rows = x.numel() // max(1, x.shape[-1])
         lo, hi = skinny_rows(x.dtype)
-        fn = _skinny_kernel(x.dtype)[0]
+        fn = _format_kernel(panels_format(skinny_weight))[0]
         if lo <= rows <= hi and fn is not None:
             return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
         if rows > hi and _sharing.on:
@@ -191,14 +207,54 @@ def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str |
     return fn, None
 
 
-def skinny_kernel(dtype: torch.dtype) -> Callable[..., int]:
-    """The loaded C entry point for ``dtype`` weights (``pd_skinny_gemm_f32`` / ``_bf16``), for
-    code that calls it from C (:mod:`pdserve.model.cpu_decode`). Raises RuntimeError when it
-    cannot run here (:func:`skinny_reason`)."""
-    fn, why = _skinny_kernel(dtype)
+@functools.cache
+def _codes_kernel() -> Callable[..., int] | None:
+    """The loaded ``pd_skinny_gemm`` (weight format first, then the fp32 entry's arguments), or
+    None where the library cannot be built or lacks the coded formats (no AVX-512F)."""
+    kl = load_library(SKINNY_SOURCE)
+    if kl.lib is None or not kl.lib.pd_skinny_codes_available():
+        return None
+    fn = kl.lib.pd_skinny_gemm
+    fn.argtypes = [_INT, *_SKINNY_ARGTYPES]
+    fn.restype = ctypes.c_int
+    return cast(Callable[..., int], fn)
+
+
+def _codes_built() -> bool:
+    """Whether fp32 weights may get coded panels here (:func:`skinny_pack_codes`): the kernel's
+    codes built (AVX-512F), the skinny kernel on, and ``PDSERVE_CPU_WEIGHT_CODES`` not 0."""
+    return (
+        env.cpu_weight_codes()
+        and skinny_reason(torch.float32) is None
+        and _codes_kernel() is not None
+    )
+
+
+def _format_kernel(fmt: int) -> tuple[Callable[..., int] | None, str | None]:
+    """:func:`_skinny_kernel` by weight format (SK_*): the coded formats run ``pd_skinny_gemm``
+    with the format bound as its first argument."""
+    if fmt in (SK_F32, SK_BF16):
+        return _skinny_kernel(torch.float32 if fmt == SK_F32 else torch.bfloat16)
+    fn = _codes_kernel()
     if fn is None:
-        raise RuntimeError(f"skinny kernel unavailable: {why}")
-    return fn
+        return None, "the kernel's weight codes need AVX-512F"
+    return functools.partial(fn, fmt), None
+
+
+def _operand_dtype(panels: torch.Tensor) -> torch.dtype:
+    """The dtype of x, bias and y for ``panels``: fp32 for coded panels, else the panels'."""
+    return torch.float32 if panels.dtype == torch.uint8 else panels.dtype
+
+
+def skinny_gemm() -> Callable[..., int]:
+    """The loaded C entry point taking the weight format first (``pd_skinny_gemm``: SK_F32,
+    SK_BF16, SK_Q4, SK_Q8, then ``pd_skinny_gemm_f32``'s arguments), for code that calls it from
+    C (:mod:`pdserve.model.cpu_decode`). Raises RuntimeError when the library cannot be built
+    here."""
+    kl = load_library(SKINNY_SOURCE)
+    if kl.lib is None:
+        raise RuntimeError(f"skinny kernel unavailable: {kl.reason}")
+    return cast(Callable[..., int], kl.lib.pd_skinny_gemm)
 
 
 @functools.cache
@@ -281,8 +337,152 @@ def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"skinny_pack: fp32 [N, K] or bf16 [N, even K], got {weight.dtype} [{n}, {k}]")
 
 
+# Weight formats of the skinny kernel (its SK_* codes): fp32 and bf16 panels, and fp32 weights held
+# as codes (skinny_pack_codes)
+SK_F32, SK_BF16, SK_Q4, SK_Q8 = 0, 1, 2, 3
+# k steps per group of the coded formats, and a group's bytes per 16-column panel
+CODE_GROUP = 32
+_GROUP_BYTES = {
+    SK_Q4: 2 * 64 + CODE_GROUP // 2 * SKINNY_PANEL,
+    SK_Q8: 64 + CODE_GROUP * SKINNY_PANEL,
+}
+_FORMAT_OF_GROUP = {b: f for f, b in _GROUP_BYTES.items()}
+
+
+def _exact_codes(
+    blocks: torch.Tensor, lo: int, hi: int, scale: torch.Tensor, offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, exact): for each group of ``blocks`` [..., G] (fp32) with its ``scale`` and
+    ``offset`` [...] (None: 0), the integer codes q in [lo, hi] nearest (w - offset) / scale,
+    and whether q * scale + offset reproduces every weight of the group bit for bit (the product
+    exact, the sum rounded once, as the kernel's multiply-add). A zero scale codes 0."""
+    base = blocks if offset is None else blocks - offset.unsqueeze(-1)
+    s = scale.unsqueeze(-1)
+    q = torch.where(s == 0, torch.zeros_like(base), torch.round(base / s)).clamp_(lo, hi)
+    q = torch.nan_to_num(q, nan=0.0)
+    recon = q * s if offset is None else q * s + offset.unsqueeze(-1)
+    exact = (recon.view(torch.int32) == blocks.view(torch.int32)).all(-1)
+    return q, exact
+
+
+def _fp16_scales(approx: torch.Tensor) -> list[torch.Tensor]:
+    """Candidate scales for groups whose fp32 weights came from a GGUF quantisation (an fp16 scale
+    per group): ``approx`` rounded to fp16, and its two fp16 neighbours (rounding in the
+    dequantised sums can move the estimate across an fp16 step). A scale with an fp16 mantissa
+    times a code of up to 8 bits is exact in fp32."""
+    h = approx.clamp(0, 65504).to(torch.float16)
+    bits = h.view(torch.int16)
+    ups = (bits + 1).view(torch.float16)
+    downs = torch.where(bits > 0, bits - 1, bits).view(torch.float16)
+    return [t.to(torch.float32) for t in (h, ups, downs)]
+
+
+def _solve_codes(
+    w: torch.Tensor, fmt: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(codes [N, K], scales [N, K / 32], offsets [N, K / 32] or None) reproducing ``w`` [N, K]
+    (fp32, K a multiple of 32) exactly in format ``fmt``, or None when some group has no such
+    coding. SK_Q4: w = q * d + m, q in [0, 15], m the group's minimum (GGUF Q4_1 dequantised:
+    its smallest code is 0); SK_Q8: w = q * d, q in [-128, 127] (GGUF Q8_0, Q4_0 and Q5_0
+    dequantised: their codes less 8 or 16)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // CODE_GROUP, CODE_GROUP)
+    if not torch.isfinite(blocks).all():
+        return None
+    if fmt == SK_Q4:
+        low = blocks.amin(-1)
+        offset: torch.Tensor | None = low
+        lo, hi = 0, 15
+        estimates = [(blocks.amax(-1) - low) / 15]
+    else:
+        offset, lo, hi = None, -128, 127
+        # the largest |code|: 127 (Q8_0), 8 (Q4_0: q - 8), 16 (Q5_0: q - 16)
+        amax = blocks.abs().amax(-1)
+        estimates = [amax / 127, amax / 8, amax / 16]
+    q = scale = None
+    done = torch.zeros(estimates[0].shape, dtype=torch.bool)
+    for cand in (c for approx in estimates for c in _fp16_scales(approx)):
+        cq, exact = _exact_codes(blocks, lo, hi, cand, offset)
+        if q is None or scale is None:
+            q, scale = cq, cand.clone()
+        take = exact & ~done
+        q[take], scale[take] = cq[take], cand[take]
+        done |= exact
+        if bool(done.all()):
+            return q.reshape(n, k), scale, offset
+    return None
+
+
+def skinny_pack_codes(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """fp32 ``weight`` [N, K] as the skinny kernel's coded panels, or None where no coding
+    reproduces every weight exactly (or the kernel's codes are not built here: AVX-512F).
+
+    A model dequantised from a GGUF file holds fp32 weights that are small integer codes times a
+    per-group scale (plus an offset): Q4_1 gives ``d * q + m`` with 4-bit q, Q8_0 ``d * q`` with
+    8-bit q, each over groups of 32 input features, d and m fp16 (GGUF spec; gguf-py's
+    ``dequantize``; Q4_0 and Q5_0 are 8-bit codes here). Stored as those codes, a decode step's
+    weight stream is 3/16 (4-bit codes, a scale and an offset: 384 bytes per 16 columns x 32 k
+    against 2048) or 9/32 (8-bit) of the fp32 panels', and the kernel rebuilds each weight bit for
+    bit (see ``panel_block_q4_n`` in ``cpu_kernels/skinny_gemm.c``), so results equal the fp32
+    panels' exactly. The coding is found from the values alone (each group's minimum and range,
+    or its largest magnitude, give m and d; every weight is then checked), so any weight that did
+    not come from such a file keeps its fp32 panels. Other GGUF types (K-quants, Q5_1) are not
+    coded: they keep fp32 panels.
+
+    Returns (panels, format): uint8 [ceil(N / 16), K / 32, group bytes], format SK_Q4 (tried
+    first) or SK_Q8; rows padding N to a multiple of 16 code zero. K must be a multiple of 32."""
+    if (
+        weight.dtype != torch.float32
+        or weight.dim() != 2
+        or weight.shape[1] % CODE_GROUP
+        or not _codes_built()
+    ):
+        return None
+    w = F.pad(weight.detach(), (0, 0, 0, (-weight.shape[0]) % SKINNY_PANEL)).contiguous()
+    npan, k = w.shape[0] // SKINNY_PANEL, w.shape[1]
+    groups = k // CODE_GROUP
+    for fmt in (SK_Q4, SK_Q8):
+        solved = _solve_codes(w, fmt)
+        if solved is None:
+            continue
+        q, scale, offset = solved
+
+        def by_panel(t: torch.Tensor) -> torch.Tensor:
+            # [Np, groups] fp32 -> [panels, groups, 64] bytes: the 16 columns' values of a group
+            return (
+                t.view(npan, SKINNY_PANEL, groups)
+                .transpose(1, 2)
+                .contiguous()
+                .view(torch.uint8)
+                .view(npan, groups, 64)
+            )
+
+        parts = [by_panel(scale)]
+        if fmt == SK_Q4:
+            assert offset is not None
+            parts.append(by_panel(offset))
+            c = q.to(torch.uint8).view(npan, SKINNY_PANEL, groups, CODE_GROUP // 2, 2)
+            pairs = c[..., 0] | (c[..., 1] << 4)  # [panels, 16, groups, pairs]
+            parts.append(pairs.permute(0, 2, 3, 1).reshape(npan, groups, -1))
+        else:
+            c = q.to(torch.int8).view(torch.uint8).view(npan, SKINNY_PANEL, groups, CODE_GROUP)
+            parts.append(c.permute(0, 2, 3, 1).reshape(npan, groups, -1))
+        return torch.cat(parts, dim=2).contiguous(), fmt
+    return None
+
+
+def panels_format(panels: torch.Tensor) -> int:
+    """The weight format (SK_*) of panels made by :func:`skinny_pack` or
+    :func:`skinny_pack_codes`."""
+    if panels.dtype == torch.uint8:
+        return _FORMAT_OF_GROUP[int(panels.shape[2])]
+    return SK_F32 if panels.dtype == torch.float32 else SK_BF16
+
+
 def _panels_k(panels: torch.Tensor) -> int:
-    """K (input features) of panels made by :func:`skinny_pack`."""
+    """K (input features) of panels made by :func:`skinny_pack` or :func:`skinny_pack_codes`."""
+    if panels.dtype == torch.uint8:
+        return int(panels.shape[1]) * CODE_GROUP
     return int(panels.shape[1]) * (int(panels.shape[3]) if panels.dim() == 4 else 1)
 
 
@@ -298,15 +498,27 @@ def skinny_linear(
     re-read the panels); it pays in :func:`skinny_rows`. Raises RuntimeError when the
     kernel is unavailable (:func:`skinny_reason`), ValueError when shapes or dtypes do not fit.
     """
-    fn, why = _skinny_kernel(panels.dtype)
+    if panels.dtype == torch.uint8 and (
+        panels.dim() != 3 or int(panels.shape[2]) not in _FORMAT_OF_GROUP
+    ):
+        raise ValueError(f"skinny_linear: uint8 panels {tuple(panels.shape)} are not coded panels")
+    fmt = panels_format(panels)
+    fn, why = _format_kernel(fmt)
     if fn is None:
         raise RuntimeError(f"skinny kernel unavailable: {why}")
     k = x.shape[-1]
     if not (x.is_cpu and panels.is_cpu and (bias is None or bias.is_cpu)):
         raise ValueError("skinny_linear: x, panels and bias must be CPU tensors")
-    want = (k, SKINNY_PANEL) if panels.dtype == torch.float32 else (k // 2, SKINNY_PANEL, 2)
+    dtype = _operand_dtype(panels)
+    want: tuple[int, ...] = (
+        (k, SKINNY_PANEL)
+        if fmt == SK_F32
+        else (k // 2, SKINNY_PANEL, 2)
+        if fmt == SK_BF16
+        else (k // CODE_GROUP, _GROUP_BYTES[fmt])
+    )
     if (
-        x.dtype != panels.dtype
+        x.dtype != dtype
         or panels.shape[1:] != want
         or _panels_k(panels) != k
         or panels.shape[0] * SKINNY_PANEL < out_features
@@ -314,14 +526,14 @@ def skinny_linear(
     ):
         raise ValueError(
             f"skinny_linear: x [..., {k}] {x.dtype} and panels {tuple(panels.shape)} "
-            f"{panels.dtype} must share a dtype, panels contiguous "
+            f"{panels.dtype} must fit ({dtype} x), panels contiguous "
             f"[>= {-(-out_features // SKINNY_PANEL)}, {', '.join(map(str, want))}]"
         )
     if bias is not None and (
-        bias.dtype != panels.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
+        bias.dtype != dtype or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
         raise ValueError(
-            f"skinny_linear: bias must be a contiguous {panels.dtype} [{out_features}] tensor"
+            f"skinny_linear: bias must be a contiguous {dtype} [{out_features}] tensor"
         )
     return _skinny_run(fn, x, panels, out_features, bias)
 
@@ -457,7 +669,7 @@ def _shared_run(
     x2, y = _rows_and_output(x, out_features)
     k, rows = x2.shape[1], x2.shape[0]
     rc = lib.pd_shared_linear(
-        0 if x.dtype == torch.float32 else 1, prepare, run_panels, prep_bytes,
+        panels_format(panels), prepare, run_panels, prep_bytes,
         x2.data_ptr(), rows, k, x2.stride(0), panels.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
     )  # fmt: skip

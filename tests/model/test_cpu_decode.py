@@ -10,15 +10,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import gguf
 import pytest
 import torch
+from gguf.quants import dequantize, quantize
 from tiny_models import TINY
 
 from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.batch import ScheduledSeq
 from pdserve.engine.runner import ModelRunner
-from pdserve.model import cpu_decode
+from pdserve.model import cpu_decode, cpu_linear, loader
 from pdserve.model.cpu_linear import skinny_reason, skinny_rows
 from pdserve.sampling_params import SamplingParams
 
@@ -349,6 +351,65 @@ def test_the_helper_changes_no_bit(name: str, dtype: str, monkeypatch: pytest.Mo
     for on in runs:
         assert torch.equal(on[0], off[0])
         assert torch.equal(on[1], off[1])
+
+
+def _gguf_dummy_weights(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make dummy weights what a model loaded from a GGUF file holds: every matrix of 32k input
+    features quantised to Q4_1 (the embedding to Q8_0) and dequantised by gguf-py. Returns a list
+    that counts the linears given coded panels."""
+    original = loader.init_dummy_weights
+    coded: list[int] = []
+
+    def init(model: torch.nn.Module, seed: int) -> None:
+        original(model, seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and p.shape[1] % 32 == 0:
+                    qt = (
+                        gguf.GGMLQuantizationType.Q8_0
+                        if "embed" in name
+                        else gguf.GGMLQuantizationType.Q4_1
+                    )
+                    w = dequantize(quantize(p.float().numpy(), qt), qt)
+                    p.copy_(torch.from_numpy(w.copy()).to(p.dtype))
+
+    pack = cpu_linear.skinny_pack_codes
+
+    def counted(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        got = pack(weight)
+        coded.append(got is not None)
+        return got
+
+    monkeypatch.setattr(loader, "init_dummy_weights", init)
+    monkeypatch.setattr(cpu_linear, "skinny_pack_codes", counted)
+    return coded
+
+
+@pytest.mark.parametrize("helper", [False, True])
+@pytest.mark.parametrize("name", ["smollm2-shapes", "mid"])
+def test_weight_codes_change_no_bit(
+    name: str, helper: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused steps over coded panels (fp32 weights that came from GGUF Q4_1 / Q8_0: see
+    ``skinny_pack_codes``) give logits and KV bit-equal to the same steps over fp32 panels. MID's
+    MLP (200 features) keeps fp32 panels for its down projection: formats mix within a layer."""
+    _needs_kernel(torch.float32)
+    if not cpu_linear._codes_built():
+        pytest.skip("the skinny kernel's weight codes need AVX-512F")
+    coded = _gguf_dummy_weights(monkeypatch)
+    model = SMOL if name == "smollm2-shapes" else MID
+    lens = torch.randint(1, 70, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    with _one_thread():
+        monkeypatch.setenv("PDSERVE_CPU_WEIGHT_CODES", "0")
+        off = _decode_run(model, "float32", lens, 4, helper, monkeypatch)
+        assert not any(coded)
+        monkeypatch.setenv("PDSERVE_CPU_WEIGHT_CODES", "1")
+        on = _decode_run(model, "float32", lens, 4, helper, monkeypatch)
+    assert sum(coded) >= 3 * model.num_hidden_layers + 1  # the LM head (the embedding) too
+    if name == "mid":
+        assert not all(coded)
+    assert torch.equal(on[0], off[0])
+    assert torch.equal(on[1], off[1])
 
 
 def test_late_helper_chunks_are_taken_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,9 +53,12 @@ enum { DL_F32 = 0, DL_BF16 = 1 };
 
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 
-/* the skinny GEMM (pd_skinny_gemm_f32 / _bf16): y[m, n] = x[m, k] @ W^T + bias */
-typedef int (*linear_fn)(const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
-                         int64_t n, const void *bias, void *y, int64_t ldy, int num_threads);
+/* the skinny GEMM (pd_skinny_gemm): y[m, n] = x[m, k] @ W^T + bias, W in weight format fmt (the
+ * kernel's SK_* codes: 0 fp32 panels, 1 bf16 panels, 2 and 3 fp32 weights held as codes; x, bias
+ * and y are bf16 for 1, else fp32) */
+typedef int (*linear_fn)(int fmt, const void *x, int64_t m, int64_t k, int64_t ldx,
+                         const void *packed, int64_t n, const void *bias, void *y, int64_t ldy,
+                         int num_threads);
 /* the same GEMM in two halves (pd_skinny_prepare, pd_skinny_panels): x copied once, then any
  * caller computes any range of 16-column panels from the copy */
 typedef int (*prepare_fn)(int dtype, const void *x, int64_t m, int64_t k, int64_t ldx,
@@ -80,6 +83,7 @@ typedef struct {
     const void *o, *o_bias;             /* panels of [hidden, heads D]; bias or NULL */
     const void *gate_up, *down;         /* panels of [2 I, hidden], [hidden, I] */
     void *k_cache, *v_cache;            /* [num_blocks, block_size, kv_heads, D] */
+    int qkv_fmt, o_fmt, gate_up_fmt, down_fmt; /* each linear's weight format (see linear_fn) */
 } DlLayer;
 
 /* The model's shapes and the two kernels. */
@@ -97,6 +101,7 @@ typedef struct {
     const void *final_norm; /* [hidden] */
     const void *lm_head;    /* panels of [vocab, hidden], or NULL (the caller computes logits) */
     int vocab;
+    int lm_head_fmt;
 } DlModel;
 
 /* ---- element access: fp32 lanes from either dtype, and back with bf16 rounding ------------ */
@@ -625,15 +630,16 @@ static int grow_buf(char **buf, int64_t *cap, int64_t want) {
 /* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T + bias with the skinny kernel's
  * panels (packed), the helper computing chunks while the calling thread computes others, for
  * matmuls with more rows than a decode step's (m > 16). prepare, panels, prep_bytes: the kernel's
- * split entry points (pd_skinny_prepare, pd_skinny_panels, pd_skinny_prep_bytes); dtype DL_F32 or
- * DL_BF16. Returns 0; 1 when the call was not run because the helper is busy with another
- * caller's op (a decode step, or another thread's matmul) or cannot be started: the caller runs
- * the matmul itself; -1 when the kernel does not take these shapes; -2 out of memory. */
+ * split entry points (pd_skinny_prepare, pd_skinny_panels, pd_skinny_prep_bytes); dtype: the
+ * weight format (see linear_fn). Returns 0; 1 when the call was not run because the helper is
+ * busy with another caller's op (a decode step, or another thread's matmul) or cannot be started:
+ * the caller runs the matmul itself; -1 when the kernel does not take these shapes; -2 out of
+ * memory. */
 int pd_shared_linear(int dtype, prepare_fn prepare, panels_fn panels, prep_bytes_fn prep_bytes,
                      const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
                      int64_t n, const void *bias, void *y, int64_t ldy) {
     if (m <= 16 || !pool_start() || pthread_mutex_trylock(&pool.lock) != 0) return 1;
-    const int64_t es = dtype == DL_F32 ? 4 : 2, npanels = (n + 15) / 16;
+    const int64_t es = dtype == DL_BF16 ? 2 : 4, npanels = (n + 15) / 16;
     int rc = 0;
     if (grow_buf(&shared_bufs.prep, &shared_bufs.prep_cap, prep_bytes(m, k)) ||
         grow_buf(&shared_bufs.mirror, &shared_bufs.mirror_cap, m * ldy * es)) {
@@ -836,20 +842,19 @@ static int share_op(const Step *st) {
     return on;
 }
 
-/* y[B, n] (row stride ldy) = x[B, k] @ W^T + bias */
-static int linear(const Step *st, const void *x, int64_t B, int64_t k, const void *packed,
-                  int64_t n, const void *bias, void *y, int64_t ldy) {
+/* y[B, n] (row stride ldy) = x[B, k] @ W^T + bias, W in weight format fmt */
+static int linear(const Step *st, int fmt, const void *x, int64_t B, int64_t k,
+                  const void *packed, int64_t n, const void *bias, void *y, int64_t ldy) {
     const DlModel *m = st->ctx->model;
-    if (!share_op(st)) return m->linear(x, B, k, k, packed, n, bias, y, ldy, st->threads);
-    const int dt = m->dtype;
-    const int path = m->prepare(dt, x, B, k, k, st->ctx->prep);
+    if (!share_op(st)) return m->linear(fmt, x, B, k, k, packed, n, bias, y, ldy, st->threads);
+    const int path = m->prepare(fmt, x, B, k, k, st->ctx->prep);
     if (path < 0) return -2;
-    const int64_t es = dt == DL_F32 ? 4 : 2, panels = (n + 15) / 16;
+    const int64_t es = m->dtype == DL_F32 ? 4 : 2, panels = (n + 15) / 16;
     int64_t per = CHUNK_BYTES / (k * 16 * es);
     if (per < 1) per = 1;
     if ((panels + per - 1) / per > MAX_CHUNKS) per = (panels + MAX_CHUNKS - 1) / MAX_CHUNKS;
     const int64_t groups = (panels + per - 1) / per;
-    const Job j = {.kind = JOB_LINEAR, .nchunks = (int)groups, .dtype = dt, .path = path,
+    const Job j = {.kind = JOB_LINEAR, .nchunks = (int)groups, .dtype = fmt, .path = path,
                    .per = per, .es = es, .prep = st->ctx->prep, .packed = packed, .bias = bias,
                    .m = B, .k = k, .n = n, .ldy = ldy, .rows_per = B, .groups = groups,
                    .panels = m->panels, .model = m, .y = y, .mirror = st->ctx->mirror};
@@ -945,7 +950,7 @@ static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
         const DlLayer *L = &m->layers[li];
         /* attention block: x += o_proj(attend(rope(q), rope(k), v)) */
         rms_norm(x, L->input_norm, xn, B, H, m->eps, dt);
-        if (linear(&st, xn, B, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n)) {
+        if (linear(&st, L->qkv_fmt, xn, B, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n)) {
             rc = -2;
             break;
         }
@@ -953,19 +958,20 @@ static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
         rotate(qkv + q_n * es, qkv_n, kr, kv_n, rope, B, m->kv_heads, D, dt);
         write_kv(m, L, kr, kv_n, qkv + (q_n + kv_n) * es, qkv_n, slots, B);
         if (attend(&st, L, qr, B, tables, table_stride, seq_lens, att) ||
-            linear(&st, att, B, q_n, L->o, H, L->o_bias, xn, H)) {
+            linear(&st, L->o_fmt, att, B, q_n, L->o, H, L->o_bias, xn, H)) {
             rc = -2;
             break;
         }
         add_rows(x, xn, B, H, dt);
         /* MLP block: x += down(silu(gate(n)) * up(n)), n = norm(x) */
         rms_norm(x, L->post_norm, xn, B, H, m->eps, dt);
-        if (linear(&st, xn, B, H, L->gate_up, 2 * (int64_t)I, NULL, gu, 2 * (int64_t)I)) {
+        if (linear(&st, L->gate_up_fmt, xn, B, H, L->gate_up, 2 * (int64_t)I, NULL, gu,
+                   2 * (int64_t)I)) {
             rc = -2;
             break;
         }
         silu_mul(gu, xn, B, I, dt);
-        if (linear(&st, xn, B, I, L->down, H, NULL, gu, H)) {
+        if (linear(&st, L->down_fmt, xn, B, I, L->down, H, NULL, gu, H)) {
             rc = -2;
             break;
         }
@@ -974,8 +980,8 @@ static int decode_layers(DlContext *ctx, void *x, int64_t B, const void *rope,
     if (rc == 0) {
         rms_norm(x, m->final_norm, xn, B, H, m->eps, dt);
         memcpy(x, xn, (size_t)(B * H * es));
-        if (logits && m->lm_head && linear(&st, x, B, H, m->lm_head, m->vocab, NULL, logits,
-                                           m->vocab))
+        if (logits && m->lm_head &&
+            linear(&st, m->lm_head_fmt, x, B, H, m->lm_head, m->vocab, NULL, logits, m->vocab))
             rc = -2;
     }
     if (st.shared) {
