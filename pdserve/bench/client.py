@@ -71,14 +71,12 @@ class SSEDecoder:
 
 def _line_end(buf: str) -> tuple[int, int] | None:
     """(start, end) of the first line terminator in ``buf``, or None if no complete line."""
-    for i, ch in enumerate(buf):
-        if ch == "\n":
-            return i, i + 1
-        if ch == "\r":
-            if i + 1 == len(buf):
-                return None  # maybe the first half of \r\n: wait for more
-            return (i, i + 2) if buf[i + 1] == "\n" else (i, i + 1)
-    return None
+    nl, cr = buf.find("\n"), buf.find("\r")
+    if cr < 0 or 0 <= nl < cr:
+        return None if nl < 0 else (nl, nl + 1)
+    if cr + 1 == len(buf):
+        return None  # maybe the first half of \r\n: wait for more
+    return (cr, cr + 2) if buf[cr + 1] == "\n" else (cr, cr + 1)
 
 
 @dataclass(frozen=True)
