@@ -29,6 +29,7 @@ from pdserve.bench.client import ENDPOINTS, RequestSpec, build_payload, send_req
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import BenchmarkMetrics, RequestOutput, calculate_metrics
 from pdserve.bench.word_tokenizer import BenchTokenizer
+from pdserve.gc_heap import freeze_heap
 
 
 class BenchmarkError(RuntimeError):
@@ -188,6 +189,7 @@ async def run_benchmark(
         name = config.served_model_name or model
         if config.ready_timeout_s > 0:
             await _wait_ready(session, config, name, requests[0])
+        freeze_heap()  # no GC pause over the client's startup heap while it times the run
         sem: Any = (
             asyncio.Semaphore(config.max_concurrency)
             if config.max_concurrency

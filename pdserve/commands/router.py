@@ -18,6 +18,7 @@ from pdserve.commands.progress import say
 from pdserve.commands.serve import resolve_max_model_len, setup_logging
 from pdserve.commands.serve_flags import HelpFormatter, add_frontend_args, add_model_args
 from pdserve.config import ConfigError, LoadConfig, ServeConfig, default_local_prefill_length
+from pdserve.gc_heap import freeze_heap
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +103,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     )
     await frontend.start()
     pool.start()
+    freeze_heap()  # the router's startup heap: no GC pauses over it while serving
     urls = frontend.urls()
     workers = ", ".join(w.worker_id for w in pool)
     say(f"ready: routing to {workers}")

@@ -47,6 +47,7 @@ from pdserve.config import (
     default_local_prefill_length,
     default_prefill_niceness,
 )
+from pdserve.gc_heap import freeze_heap
 
 log = logging.getLogger("pdserve.serve")
 
@@ -413,6 +414,7 @@ async def serve_async(
         progress.close()
         if started:
             pool.start()
+            freeze_heap()  # the router's startup heap: no GC pauses over it while serving
             print_ready(frontend.urls(), plan, bool(s.api_key))
             if on_ready is not None:
                 on_ready()

@@ -40,6 +40,7 @@ from pdserve.auth import internal_token_check
 from pdserve.config import EngineConfig
 from pdserve.engine.faults import FaultInjector, FaultPlan
 from pdserve.engine.worker_engine import WorkerEngine
+from pdserve.gc_heap import freeze_heap
 from pdserve.net import engine_config_for, worker_address
 from pdserve.worker_info import WorkerInfo
 
@@ -158,6 +159,7 @@ class WorkerActor(ABC, Generic[E]):
         self.engine, self._server = engine, server
         # again: the step loop and transport threads now exist
         self.niceness = restore_priority(self.niceness_for(config))
+        freeze_heap()  # the weights, modules and libraries are here to stay: no GC pauses over them
         address = where.endpoint(int(bound.rpartition(":")[2]))
         self._info = WorkerInfo(
             worker_id=self.worker_id,
