@@ -20,7 +20,8 @@ that lives until the object is collected. ``PDSERVE_CPU_DECODE_HELPER=0`` turns 
 
 It applies where the compiled path would run those kernels anyway: a model of exactly the Llama
 layers of :mod:`pdserve.model.llama` (Llama, Mistral, SmolLM2, Qwen2) in fp32 or bf16 with every
-decoder linear packed with skinny panels (:mod:`pdserve.model.cpu_linear`), the ``cpu_paged``
+decoder linear packed with skinny panels (:mod:`pdserve.model.cpu_linear`; each linear's panels
+in their own format: fp32, bf16, or fp32 weights held as GGUF-style codes), the ``cpu_paged``
 attention backend, KV caches in the model dtype, and a step of decodes only whose batch size is in
 :func:`~pdserve.model.cpu_linear.skinny_rows`. Every other step (prefill chunks, mixed batches,
 larger batches) takes the model's forward. ``PDSERVE_CPU_FUSED_DECODE=0`` turns it off.
@@ -71,7 +72,9 @@ class _Layer(ctypes.Structure):
             "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
             "k_cache", "v_cache",
         )
-    ] + [(name, ctypes.c_int) for name in ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")]  # fmt: skip
+    ] + [
+        (name, ctypes.c_int) for name in ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")
+    ]  # fmt: skip
 
 
 class _Model(ctypes.Structure):

@@ -31,7 +31,8 @@
  * Packed layout (built by skinny_pack in pdserve/model/cpu_linear.py): panel p holds columns
  * [16p, 16p + 16) of y, as panel[p][k][j] = W[16p + j][k], zero for 16p + j >= N; panels are
  * consecutive. Sums run over k in order in fp32 (results differ from oneDNN's by rounding only,
- * ~1e-6 relative).
+ * ~1e-6 relative). fp32 weights that are GGUF-style integer codes may instead be packed as those
+ * codes (SK_Q4, SK_Q8: see panel_block_q4_n), rebuilt bit for bit: the same sums and results.
  *
  * bf16 (pd_skinny_gemm_bf16, only where the target has AVX512_BF16): the same stream, with the
  * weight at half the bytes. VDPBF16PS multiplies pairs of bf16 and adds both products to one fp32
