@@ -442,6 +442,9 @@ def skinny_pack_codes(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     npan, k = w.shape[0] // SKINNY_PANEL, w.shape[1]
     groups = k // CODE_GROUP
     for fmt in (SK_Q4, SK_Q8):
+        # a few rows first: a weight of another origin fails there, before a pass over all of it
+        if _solve_codes(w[:SKINNY_PANEL], fmt) is None:
+            continue
         solved = _solve_codes(w, fmt)
         if solved is None:
             continue
