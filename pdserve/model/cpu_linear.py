@@ -23,15 +23,16 @@ thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneD
 against 597 ms, so larger calls stay with oneDNN; on an AVX2-only Zen 1 EPYC, where 16 rows are
 bound by the FMA rate rather than DRAM, 137.5 against 182.3 ms, and still 1.10x at 32 rows; bf16
 in docs/benchmarks.md). The panels are a second copy of the weight:
-the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32, ~270
-MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns the kernel off). Results differ from oneDNN's by
+the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32 where
+the weights are not GGUF codes, see below, ~270 MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns
+the kernel off). Results differ from oneDNN's by
 rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).
 
 fp32 weights dequantised from a GGUF file (the bundled SmolLM2: Q4_1 layers, a Q8_0 embedding)
 are integer codes times per-group scales; where the CPU has AVX-512F such a weight's panels hold
-those codes instead (:func:`skinny_pack_codes`), a fifth to a quarter of the bytes, rebuilt
-bit for bit in the kernel: the same results as fp32 panels, at 1.4-1.8x their speed for 1 to 8
-rows and about the same at 14-16 (SmolLM2-135M's decode GEMMs, Zen 5, one thread), with less of
+those codes instead (:func:`skinny_pack_codes`; SmolLM2: 112 MB instead of 538), rebuilt bit
+for bit in the kernel: the same results as fp32 panels, at 1.4-1.7x their speed for 1 to 8 rows
+and about the same at 14-16 (SmolLM2-135M's decode GEMMs, Zen 5, one thread), with less of
 the memory traffic that a decode step shares with a prefill on the other core
 (``PDSERVE_CPU_WEIGHT_CODES=0`` keeps fp32 panels; docs/benchmarks.md, session 37).
 """
