@@ -231,6 +231,7 @@ def _codes_built() -> bool:
     )
 
 
+@functools.cache
 def _format_kernel(fmt: int) -> tuple[Callable[..., int] | None, str | None]:
     """:func:`_skinny_kernel` by weight format (SK_*): the coded formats run ``pd_skinny_gemm``
     with the format bound as its first argument."""
@@ -424,7 +425,7 @@ def skinny_pack_codes(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     ``dequantize``; Q4_0 and Q5_0 are 8-bit codes here). Stored as those codes, a decode step's
     weight stream is 3/16 (4-bit codes, a scale and an offset: 384 bytes per 16 columns x 32 k
     against 2048) or 9/32 (8-bit) of the fp32 panels', and the kernel rebuilds each weight bit for
-    bit (see ``panel_block_q4_n`` in ``cpu_kernels/skinny_gemm.c``), so results equal the fp32
+    bit (see ``panel_block_codes`` in ``cpu_kernels/skinny_gemm.c``), so results equal the fp32
     panels' exactly. The coding is found from the values alone (each group's minimum and range,
     or its largest magnitude, give m and d; every weight is then checked), so any weight that did
     not come from such a file keeps its fp32 panels. Other GGUF types (K-quants, Q5_1) are not

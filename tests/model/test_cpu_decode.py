@@ -10,11 +10,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-import gguf
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
-from tiny_models import TINY
+from tiny_models import TINY, gguf_values
 
 from decode_worker.offline import OfflineEngine
 from pdserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
@@ -365,13 +363,7 @@ def _gguf_dummy_weights(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 2 and p.shape[1] % 32 == 0:
-                    qt = (
-                        gguf.GGMLQuantizationType.Q8_0
-                        if "embed" in name
-                        else gguf.GGMLQuantizationType.Q4_1
-                    )
-                    w = dequantize(quantize(p.float().numpy(), qt), qt)
-                    p.copy_(torch.from_numpy(w.copy()).to(p.dtype))
+                    p.copy_(gguf_values(p, "Q8_0" if "embed" in name else "Q4_1").to(p.dtype))
 
     pack = cpu_linear.skinny_pack_codes
 

@@ -4,10 +4,9 @@ rebuilt bit for bit, so results equal the fp32 panels' exactly; anything else ke
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
+from tiny_models import gguf_values
 
 from pdserve.model import cpu_linear
 from pdserve.model.cpu_linear import (
@@ -35,8 +34,8 @@ Q = gguf.GGMLQuantizationType
 def gguf_weight(n: int, k: int, qtype: Q, seed: int) -> torch.Tensor:
     """An fp32 [n, k] weight as pdserve's GGUF loader produces it: random values quantised to
     ``qtype`` and dequantised by gguf-py."""
-    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(x, qtype), qtype)))
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return gguf_values(x, qtype.name)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

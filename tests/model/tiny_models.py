@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import gguf
 import torch
+from gguf.quants import dequantize, quantize
 from transformers import PreTrainedModel
 
 from pdserve.config import ModelConfig
@@ -77,3 +79,12 @@ class PagedForward:
         )
         logits = self.model.compute_logits(self.model(ids, pos, meta, self.caches)).float()
         return list(logits.split([len(c) for c in chunks]))
+
+
+def gguf_values(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``weight`` (2-D, columns a multiple of 32) as pdserve's GGUF loader would hold it after a
+    round trip through a file of ``qtype`` (e.g. "Q4_1"): quantised and dequantised by gguf-py,
+    fp32."""
+    t = gguf.GGMLQuantizationType[qtype]
+    w = dequantize(quantize(weight.detach().float().numpy(), t), t)
+    return torch.from_numpy(w.copy())

@@ -32,7 +32,7 @@
  * [16p, 16p + 16) of y, as panel[p][k][j] = W[16p + j][k], zero for 16p + j >= N; panels are
  * consecutive. Sums run over k in order in fp32 (results differ from oneDNN's by rounding only,
  * ~1e-6 relative). fp32 weights that are GGUF-style integer codes may instead be packed as those
- * codes (SK_Q4, SK_Q8: see panel_block_q4_n), rebuilt bit for bit: the same sums and results.
+ * codes (SK_Q4, SK_Q8: see panel_block_codes), rebuilt bit for bit: the same sums and results.
  *
  * bf16 (pd_skinny_gemm_bf16, only where the target has AVX512_BF16): the same stream, with the
  * weight at half the bytes. VDPBF16PS multiplies pairs of bf16 and adds both products to one fp32
@@ -226,46 +226,57 @@ BLOCKS(F32_BLOCKS, panel_block_n)
  * step, w = q * d. Each d has few enough significant bits that q * d is exact in fp32, so the
  * fused multiply-add below rounds once where the dequantiser rounded once (its sum), and the
  * weights the multiply-adds see are the fp32 weights bit for bit: sums, their order and results
- * equal panel_block_n's. A group is 3/16 (SK_Q4) or 9/32 (SK_Q8) of its fp32 bytes, which is what a
- * decode step's GEMM streams from DRAM; the price is a multiply-add per 16 weights to rebuild
- * them (SK_Q4 turns a 4-bit code into a float with one permute from a 16-entry table; a
- * conversion instead read ~10% slower at 16 rows, as the conversions share the multiply-add
- * pipes on Zen 5). SmolLM2-135M's 30 layers and LM head (Q4_1 and Q8_0 in its GGUF file), one
- * thread, Zen 5 EPYC (a /tmp script, interleaved, best of 7): 1 row 9.5 ms against 16.6 with fp32
- * panels, 4 rows 10.1 against 17.9, 8 rows 12.4-13.0 against 16.9-20.7, 14 rows 20.8 against
- * 19.7, 16 rows 23.4 against 23.1: at 14-16 rows the fp32 panels are bound by the multiply-adds
- * too. */
+ * equal panel_block_n's. A group is 3/16 (SK_Q4) or 9/32 (SK_Q8) of its fp32 bytes, which is
+ * what a decode step's GEMM streams from DRAM; the price is a multiply-add per 16 weights to
+ * rebuild them (SK_Q4 turns a 4-bit code into a float with one permute from a 16-entry table;
+ * a mask and a conversion instead read ~10% slower at 16 rows on Zen 5). SmolLM2-135M's 30
+ * layers and LM head (Q4_1 and Q8_0 in its GGUF file), one thread, Zen 5 EPYC
+ * (bench/skinny_gemm.py --gguf-codes --threads 1, interleaved): 1 row 9.2 ms against 15.3 with
+ * fp32 panels, 8 rows 12.7 against 17.3, 16 rows 20.7 against 20.1, 32 rows 39.6 against 38.6:
+ * from ~14 rows the fp32 panels are bound by the multiply-adds too. */
 #define QGROUP 32
 #define Q4_GROUP_BYTES (2 * 64 + QGROUP / 2 * PANEL) /* 384: d, m, 16 pairs x 16 columns */
 #define Q8_GROUP_BYTES (64 + QGROUP * PANEL)         /* 576: d, 32 steps x 16 columns */
 #define Q_PF_BYTES (PF_LINES * 64)
 
-static inline __attribute__((always_inline)) void panel_block_q4_n(
+/* One register block of coded panels (q4: SK_Q4, else SK_Q8; a constant once inlined), as
+ * panel_block_n: two k steps an iteration, each rebuilt as its 16 fp32 weights, then the rows'
+ * multiply-adds in k order. */
+static inline __attribute__((always_inline)) void panel_block_codes(
     const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
-    int64_t ldy, int ncols) {
+    int64_t ldy, int ncols, const int q4) {
     const float *xt = xv, *bias = bv;
     const char *panel = pv;
     float *y = yv;
     const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
     const __m512 nib = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t group_bytes = q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
 #define DECL(r) __m512 acc##r = b;
     REP16(DECL)
 #undef DECL
     for (int64_t g = 0; g < k / QGROUP; g++) {
-        const char *grp = panel + g * Q4_GROUP_BYTES;
-        for (int l = 0; l < Q4_GROUP_BYTES / 64; l++)
+        const char *grp = panel + g * group_bytes;
+        for (int l = 0; l < group_bytes / 64; l++)
             _mm_prefetch(grp + Q_PF_BYTES + 64 * l, _MM_HINT_T1);
-        const __m512 d = _mm512_loadu_ps(grp), m = _mm512_loadu_ps(grp + 64);
-        const uint8_t *q = (const uint8_t *)(grp + 128);
+        const __m512 d = _mm512_loadu_ps(grp);
+        const __m512 m = q4 ? _mm512_loadu_ps(grp + 64) : _mm512_setzero_ps();
+        const __m128i *q = (const __m128i *)(grp + (q4 ? 128 : 64));
         const float *xg = xt + g * QGROUP * mr;
         for (int s = 0; s < QGROUP / 2; s++) {
-            const __m512i qq = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q + s));
-            /* the permute reads each lane's low 4 bits: the low nibble as it is, the high one
-             * shifted down */
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(qq, nib), d, m);
-            const __m512 w1 =
-                _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(qq, 4), nib), d, m);
+            __m512 w0, w1;
+            if (q4) {
+                /* one byte a column holds both steps' codes; the permute reads each lane's low 4
+                 * bits: the low nibble as it is, the high one shifted down */
+                const __m512i qq = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + s));
+                w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(qq, nib), d, m);
+                w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(qq, 4), nib), d, m);
+            } else {
+                const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2 * s));
+                const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2 * s + 1));
+                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
+                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
+            }
             const float *x0 = xg + 2 * s * mr, *x1 = x0 + mr;
 #define FMA(r)                                                                                \
     if (r < mr) {                                                                             \
@@ -281,36 +292,16 @@ static inline __attribute__((always_inline)) void panel_block_q4_n(
 #undef STORE
 }
 
+static inline __attribute__((always_inline)) void panel_block_q4_n(
+    const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
+    int64_t ldy, int ncols) {
+    panel_block_codes(xv, mr, pv, k, bv, yv, ldy, ncols, 1);
+}
+
 static inline __attribute__((always_inline)) void panel_block_q8_n(
     const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
     int64_t ldy, int ncols) {
-    const float *xt = xv, *bias = bv;
-    const char *panel = pv;
-    float *y = yv;
-    const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
-#define DECL(r) __m512 acc##r = b;
-    REP16(DECL)
-#undef DECL
-    for (int64_t g = 0; g < k / QGROUP; g++) {
-        const char *grp = panel + g * Q8_GROUP_BYTES;
-        for (int l = 0; l < Q8_GROUP_BYTES / 64; l++)
-            _mm_prefetch(grp + Q_PF_BYTES + 64 * l, _MM_HINT_T1);
-        const __m512 d = _mm512_loadu_ps(grp);
-        const int8_t *q = (const int8_t *)(grp + 64);
-        const float *xg = xt + g * QGROUP * mr;
-        for (int s = 0; s < QGROUP; s++) {
-            const __m128i qb = _mm_loadu_si128((const __m128i *)q + s);
-            const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)), d);
-            const float *x0 = xg + s * mr;
-#define FMA(r) if (r < mr) acc##r = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), w, acc##r);
-            REP16(FMA)
-#undef FMA
-        }
-    }
-#define STORE(r) if (r < mr) _mm512_mask_storeu_ps(y + (int64_t)(r) * ldy, cols, acc##r);
-    REP16(STORE)
-#undef STORE
+    panel_block_codes(xv, mr, pv, k, bv, yv, ldy, ncols, 0);
 }
 
 BLOCKS(Q4_BLOCKS, panel_block_q4_n)
@@ -585,7 +576,7 @@ int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const 
 }
 
 /* pd_skinny_gemm_f32 for fp32 weights held as codes (fmt SK_Q4 or SK_Q8, packed as described at
- * panel_block_q4_n; k a multiple of 32), or any format by its code: x, bias and y fp32 (bf16 for
+ * panel_block_codes; k a multiple of 32), or any format by its code: x, bias and y fp32 (bf16 for
  * SK_BF16). Returns 0, -1 where the kernel is not built for the format (the codes need AVX-512F)
  * or k does not fit it, -2 out of memory. */
 int pd_skinny_gemm(int fmt, const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
