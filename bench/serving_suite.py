@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bfloat16 where the CPU has avx512_bf16/AMX, else float32) | float32 | "
+        help="auto (what pdserve serve picks: bfloat16 with AMX or AMD's avx512_bf16, else float32) | float32 | "
         "bfloat16; the same dtype for every server",
     )
     p.add_argument(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.cpu import has_native_bf16
+from pdserve.cpu import bf16_is_fast
 
 
 class ConfigError(ValueError):
@@ -191,8 +191,9 @@ class LoadConfig:
 
     ``model``: 'smollm2' (bundled GGUF), a HF directory, or a ``.gguf`` file.
     ``load_format``: 'auto' | 'safetensors' | 'gguf' | 'dummy' (random weights; needs a config).
-    ``dtype``: 'auto' (bfloat16 on CUDA and on CPUs with native bf16 — avx512_bf16 or AMX —,
-    float32 on other CPUs; DESIGN §2) | float32 | bfloat16 | float16.
+    ``dtype``: 'auto' (bfloat16 on CUDA and on CPUs where bf16 is faster than fp32 — AMX, or
+    avx512_bf16 on AMD; :func:`pdserve.cpu.bf16_is_fast` —, float32 on other CPUs; DESIGN §2) |
+    float32 | bfloat16 | float16.
     ``attention_backend``: 'auto' (``triton`` on CUDA, ``cpu_paged`` on CPU, ``torch_ref`` when
     those cannot run) | torch_ref | cpu_paged | triton;
     :func:`pdserve.attention.selector.select_attention_backend` resolves it against the device and
@@ -228,7 +229,7 @@ class LoadConfig:
         """The concrete dtype name after applying the per-device default."""
         if self.dtype != "auto":
             return self.dtype
-        if self.device.startswith("cuda") or has_native_bf16():
+        if self.device.startswith("cuda") or bf16_is_fast():
             return "bfloat16"
         return "float32"
 

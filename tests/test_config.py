@@ -76,23 +76,28 @@ def test_transformers5_rope_parameters() -> None:
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
 
 
-def test_dtype_auto_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--dtype auto: bf16 on CUDA and on CPUs with native bf16, float32 on AVX2-only CPUs."""
+def test_dtype_auto_follows_fast_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto: bf16 on CUDA and on CPUs where bf16 beats fp32 (AMX; avx512_bf16 on AMD),
+    float32 on AVX2-only CPUs and on Intel CPUs with avx512_bf16 but no AMX."""
     from pdserve import config as config_mod
-    from pdserve.cpu import has_amx_bf16, has_native_bf16, parse_cpu_flags
+    from pdserve.cpu import bf16_is_fast, has_amx_bf16, parse_cpu_flags, parse_cpu_vendor
 
+    amd, intel = "AuthenticAMD", "GenuineIntel"
     amd_avx2 = parse_cpu_flags("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n")
-    intel_amx = parse_cpu_flags("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
-    epyc_bf16 = parse_cpu_flags("flags\t\t: avx2 avx512f avx512_bf16\n")
-    assert not has_native_bf16(amd_avx2)
-    assert has_native_bf16(intel_amx) and has_native_bf16(epyc_bf16)
-    assert has_amx_bf16(intel_amx) and not has_amx_bf16(epyc_bf16)
+    intel_amx = parse_cpu_flags("flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    avx512_bf16 = parse_cpu_flags("flags\t\t: avx2 avx512f avx512_bf16\n")
+    assert not bf16_is_fast(amd_avx2, amd)
+    assert bf16_is_fast(intel_amx, intel) and bf16_is_fast(avx512_bf16, amd)
+    assert not bf16_is_fast(avx512_bf16, intel)  # no AMX: bf16 measured slower than fp32
+    assert has_amx_bf16(intel_amx) and not has_amx_bf16(avx512_bf16)
     assert parse_cpu_flags("no flags here") == frozenset()
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
+    assert parse_cpu_vendor(cpuinfo) == amd and parse_cpu_vendor("") == ""
 
-    monkeypatch.setattr(config_mod, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(config_mod, "bf16_is_fast", lambda: False)
     assert LoadConfig().resolved_dtype == "float32"
     assert LoadConfig(device="cuda").resolved_dtype == "bfloat16"
-    monkeypatch.setattr(config_mod, "has_native_bf16", lambda: True)
+    monkeypatch.setattr(config_mod, "bf16_is_fast", lambda: True)
     assert LoadConfig().resolved_dtype == "bfloat16"
     assert LoadConfig(dtype="float32").resolved_dtype == "float32"
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from pdserve.config import ModelConfig
 
-# /proc/cpuinfo flags worth recording beside a CPU benchmark (native bf16, AVX-512, AVX2).
+# /proc/cpuinfo flags worth recording beside a CPU benchmark (bf16 tiles and dot products, AVX-512, AVX2).
 RECORDED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 

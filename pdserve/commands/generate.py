@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
+        help="auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs where bf16 beats fp32, else float32)",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(

@@ -136,7 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default=LoadConfig.dtype,
-        help="auto (bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32) | float32 | "
+        help="auto (bfloat16 on CUDA and on CPUs where bf16 beats fp32: AMX, or avx512_bf16 on AMD; else float32) | float32 | "
         "bfloat16 | float16",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -219,7 +219,7 @@ def test_disconnect_frees_kv_on_both_workers_within_2s(server: ServeProcess) -> 
 
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64. K and V of one 16-token block, in bytes, for
-# the dtypes `--dtype auto` picks on a CPU (float32, or bfloat16 where the CPU has native bf16).
+# the dtypes `--dtype auto` picks on a CPU (float32, or bfloat16 where bf16 beats fp32).
 SMOLLM2_BLOCK_BYTES = {"float32": 2 * 30 * 3 * 64 * 16 * 4, "bfloat16": 2 * 30 * 3 * 64 * 16 * 2}
 KV_CACHE_BYTES = 256 * 1024 * 1024  # --kv-cache-memory-bytes of serve_process.SMALL
 
