@@ -8,8 +8,6 @@ machines (docs/benchmarks.md; 1024^3 matmul through torch/oneDNN, GFLOP/s on 2 c
 - AMD EPYC Zen 4 / Zen 5 with ``avx512_bf16``: bf16 ~900, fp32 ~210 (Zen 5, session 37).
 - Intel Xeon with ``avx512_bf16`` but no AMX (family 6 model 207, AMX not exposed to the guest;
   session 38): bf16 217, fp32 343; served, bf16 is 0.7-0.8x fp32 for pdserve and 0.9x for vLLM.
-  Intel's VDPBF16PS does as many multiply-adds a cycle as its fp32 FMAs, so bf16 saves bytes but
-  no arithmetic, and pays for conversions.
 - AMD EPYC with AVX2 only: bf16 is emulated, slower than fp32.
 """
 
