@@ -59,7 +59,8 @@ class SamplingParams:
 
     ``max_tokens`` counts every output token (token 1 included); ``None`` = up to the model limit
     (the router resolves it before a worker sees the request). ``stop`` strings are matched in text
-    by the router; workers only see ``stop_token_ids``.
+    by the router; workers only see ``stop_token_ids``. ``include_stop_str_in_output``: the text
+    keeps the stop string that ended it (vLLM's extension; the router's, like ``stop``).
 
     ``logit_bias``: (token id, bias) pairs added to the logits before sampling (OpenAI's
     ``logit_bias``; +100 all but forces a token, -100 all but bans it). ``allowed_token_ids``:
@@ -81,6 +82,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False

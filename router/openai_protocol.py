@@ -2,9 +2,13 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, never coerced); fields
 OpenAI defines but pdserve cannot honour (``suffix``, non-text content, ...) are refused with a
-400 naming the field rather than silently ignored. Unknown fields are ignored, as vLLM does.
+400 naming the field rather than silently ignored, and so are vLLM's extensions that would change
+the output but are not implemented here (``truncate_prompt_tokens``, ``bad_words``,
+``use_beam_search``, a request's own ``chat_template``, ...: :data:`UNSUPPORTED`). Other unknown
+fields are ignored, as vLLM does.
 Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``,
 ``allowed_token_ids``, ``prompt_logprobs``, ``structured_outputs`` and the ``guided_*`` fields)
 are accepted with the same names and meanings; so are vLLM's chat-template controls
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``, ``documents``,
@@ -16,7 +20,7 @@ pydantic round trip on the hot path); their shapes are documented there.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,12 +32,35 @@ from router.structured_request import logit_bias_pairs, structured_spec
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
+# Fields of OpenAI's API or vLLM's extensions that pdserve does not implement, each with the value
+# that means "not used": a request that sets one to anything else gets a 400 naming it (rather
+# than an answer that silently ignored it). Chat-only ones are refused on chat requests only.
+UNSUPPORTED: dict[str, object] = {
+    "truncate_prompt_tokens": None,
+    "bad_words": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "guided_whitespace_pattern": None,
+    "priority": 0,
+}
+CHAT_UNSUPPORTED: dict[str, object] = {
+    "chat_template": None,  # vLLM too refuses a request's template unless told to trust it
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "functions": None,  # the legacy form of 'tools'
+    "function_call": None,  # ... and of 'tool_choice'
+}
+
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds one usage chunk (empty choices) before [DONE]."""
 
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (see UNSUPPORTED)
 
 
 class TextPart(BaseModel):
@@ -106,6 +133,7 @@ class _Common(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
@@ -116,6 +144,29 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # not implemented: refused when set (UNSUPPORTED)
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    guided_whitespace_pattern: str | None = None
+    priority: int = 0
+
+    _unsupported: ClassVar[dict[str, object]] = UNSUPPORTED
+
+    def _check_unsupported(self) -> None:
+        """Raise BadRequest naming the first field of :attr:`_unsupported` the request sets."""
+        for name, unused in self._unsupported.items():
+            value = getattr(self, name)
+            if value != unused and value != []:
+                raise BadRequest(f"'{name}' is not supported by this server", param=name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise BadRequest(
+                "'stream_options.continuous_usage_stats' is not supported by this server",
+                param="stream_options.continuous_usage_stats",
+            )
 
     def _structured(self, extra: StructuredOutputSpec | None = None) -> StructuredOutputSpec | None:
         """The request's output constraint (``extra``: one from tool_choice). Raises BadRequest."""
@@ -134,6 +185,7 @@ class _Common(BaseModel):
         return spec or extra
 
     def _check_common(self) -> None:
+        self._check_unsupported()
         if self.stream_options is not None and not self.stream:
             raise BadRequest(
                 "'stream_options' is only allowed with 'stream': true", param="stream_options"
@@ -181,6 +233,7 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self._stops(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -216,6 +269,21 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False
+    modalities: list[str] | None = None
+    # not implemented: refused when set (CHAT_UNSUPPORTED)
+    chat_template: str | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    _unsupported: ClassVar[dict[str, object]] = {**UNSUPPORTED, **CHAT_UNSUPPORTED}
+
+    def _check_unsupported(self) -> None:
+        super()._check_unsupported()
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise BadRequest("'modalities' may only hold 'text' on this server", param="modalities")
 
     def to_sampling_params(self, tool_spec: StructuredOutputSpec | None = None) -> SamplingParams:
         """Sampling settings; ``tool_spec``: the constraint a forcing ``tool_choice`` needs.

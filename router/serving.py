@@ -250,7 +250,11 @@ class RequestStream:
         tok = self.router.tokenizer
         sampling = lc.sampling
         detok = IncrementalDetokenizer(tok, self.prompt_token_ids, sampling.skip_special_tokens)
-        stops = StopMatcher(sampling.stop) if sampling.stop else None
+        stops = (
+            StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
+            if sampling.stop
+            else None
+        )
         stop_ids = set(sampling.stop_token_ids)
         eos_ids = set() if sampling.ignore_eos else set(tok.eos_token_ids)
         reason: str | None = None

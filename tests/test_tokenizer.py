@@ -425,6 +425,18 @@ def test_stop_inside_one_piece() -> None:
     assert m.flush() == ""
 
 
+def test_stop_string_kept_with_include_stop() -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, even across pieces."""
+    m = StopMatcher(["DE"], include_stop=True)
+    assert m.feed("ABCD") == ("ABC", False)
+    assert m.feed("EF") == ("DE", True)
+    assert m.matched == "DE" and m.flush() == ""
+    assert StopMatcher(["world", "lo w"], include_stop=True).feed("hello world") == (
+        "hello w",
+        True,
+    )
+
+
 def test_stop_across_pieces() -> None:
     m = StopMatcher(["DE", "XYZ"])
     assert m.feed("ABCD") == ("ABC", False)  # "D" held: it may start "DE"

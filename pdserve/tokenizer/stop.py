@@ -4,7 +4,8 @@ A stop string may sit inside one token's text ("CDEF" carrying stop "DE") or str
 ("...D" then "E..."). The matcher keeps back the longest tail of what it has seen that is a proper
 prefix of some stop string, so text that might still become a stop is never emitted; when a stop
 completes, the text before it is released and the stop itself (and anything after it) is dropped,
-as the OpenAI API does. The stream ends at the first stop string to *complete*: with stops "a" and
+as the OpenAI API does (with ``include_stop``, vLLM's ``include_stop_str_in_output``, the stop
+string is released too). The stream ends at the first stop string to *complete*: with stops "a" and
 "baa", text "baa" stops after "b" (at "a"), whichever way the text was split into pieces.
 """
 
@@ -17,17 +18,19 @@ class StopMatcher:
     """Filters a text stream against ``stops`` (non-empty strings).
 
     ``feed(text)`` -> (text safe to emit now, stopped). Once stopped, further feeds return
-    ("", True); ``matched`` names the stop string that ended the stream. ``flush()`` releases the held-back tail at the end of an
-    unstopped stream. Raises ValueError for an empty stop string.
+    ("", True); ``matched`` names the stop string that ended the stream. ``flush()`` releases
+    the held-back tail at the end of an unstopped stream. ``include_stop``: the emitted text
+    ends with the stop string instead of before it. Raises ValueError for an empty stop string.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if isinstance(stops, str):
             raise ValueError("'stop' must be a list of strings, not one string")
         for i, s in enumerate(stops):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"'stop'[{i}] must be a non-empty string, got {s!r}")
         self.stops: tuple[str, ...] = tuple(stops)
+        self.include_stop = include_stop
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._held = ""
         self.matched: str | None = None
@@ -54,7 +57,7 @@ class StopMatcher:
                 best, self.matched = (i + len(s), i), s
         if best is not None:
             self._held = ""
-            return buf[: best[1]], True
+            return buf[: best[0] if self.include_stop else best[1]], True
         hold = self._hold_length(buf)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False

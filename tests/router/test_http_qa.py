@@ -317,6 +317,26 @@ async def test_stop_reason_and_finish_chunk(tokenizer: Tokenizer, stream: bool) 
             assert all(c["choices"][0]["delta"] for c in chunks[:-1]), "an empty token chunk"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_stop_str_in_output(tokenizer: Tokenizer, stream: bool) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string that ended it
+    (without it, just before), streamed or not; the finish still names the stop."""
+
+    def text(r: httpx.Response) -> str:
+        assert r.status_code == 200, r.text
+        if not stream:
+            return str(r.json()["choices"][0]["message"]["content"])
+        chunks = [ev for ev in sse_events(r.text) if isinstance(ev, dict)]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+    async with env(tokenizer) as e:
+        body = {"messages": MSGS, "stream": stream, "stop": ["Paris"]}
+        cut = text(await e.client.post("/v1/chat/completions", json=body))
+        body["include_stop_str_in_output"] = True
+        kept = text(await e.client.post("/v1/chat/completions", json=body))
+    assert "Paris" not in cut and kept == cut + "Paris"
+
+
 class _SlowControl:
     """A ClusterControl whose scale takes a while and refuses overlapping calls, like RayCluster."""
 

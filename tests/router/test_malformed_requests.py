@@ -232,6 +232,22 @@ HTTP_ROWS = [
     Http("cmpl prompt token a string", CMPL, cmpl(prompt=[[1, "a"]]), 400, "prompt",
          "'prompt.0.1'"),
     Http("cmpl streaming bad n", CMPL, cmpl(stream=True, n=0), 400, "n"),
+    # fields of OpenAI's or vLLM's API that pdserve does not implement: refused, not ignored
+    Http("cmpl bad_words", CMPL, cmpl(bad_words=[" 5"]), 400, "bad_words", "not supported"),
+    Http("cmpl truncate_prompt_tokens", CMPL, cmpl(truncate_prompt_tokens=2), 400,
+         "truncate_prompt_tokens"),
+    Http("cmpl use_beam_search", CMPL, cmpl(use_beam_search=True), 400, "use_beam_search"),
+    Http("cmpl priority", CMPL, cmpl(priority=1), 400, "priority"),
+    Http("cmpl continuous usage", CMPL,
+         cmpl(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+         400, "stream_options.continuous_usage_stats"),
+    Http("cmpl include_stop a string", CMPL, cmpl(include_stop_str_in_output="x"), 400,
+         "include_stop_str_in_output"),
+    Http("chat own template", CHAT, chat(chat_template="{% for %}"), 400, "chat_template"),
+    Http("chat audio out", CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
+    Http("chat legacy functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+    Http("chat prediction", CHAT, chat(prediction={"type": "content", "content": "x"}), 400,
+         "prediction"),
 ]  # fmt: skip
 
 
