@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--dtype",
         default="bfloat16",
-        help="KV cache dtype: float32|bfloat16|float16 (or fp32|bf16|fp16; default bfloat16)",
+        help="KV cache dtype: float32|bfloat16|float16 (or fp32|bf16|fp16; default bfloat16; "
+        "pdserve serve --dtype auto runs float32 on CPUs without fast bf16: pass that to size it)",
     )
     p.add_argument("--memory-gib", type=float, default=None, help="KV cache budget in GiB")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")

@@ -173,8 +173,9 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     capacity = cache.blocks_for(model, load.resolved_dtype) * cache.block_size
     if capacity < max_model_len:
         raise ConfigError(
-            f"each worker's KV cache holds {capacity} tokens, less than --max-model-len "
-            f"{max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
+            f"each worker's KV cache holds {capacity} tokens of {load.resolved_dtype} KV, less "
+            f"than --max-model-len {max_model_len}; raise --kv-cache-memory-bytes or lower "
+            "--max-model-len"
         )
     engine = EngineConfig(
         load=load,
