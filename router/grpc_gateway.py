@@ -25,7 +25,8 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -200,6 +201,69 @@ class GenerationService(gpb_grpc.GenerationServicer):
         )
 
 
+class _Undecodable:
+    """What a request that is not a valid message of its method's type deserialises to."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, bad UTF-8, ...
+            return _Undecodable(e)
+
+    return parse
+
+
+class MalformedRequestCheck(grpc.aio.ServerInterceptor):
+    """Answers a request whose bytes are not a valid message of its method's type (corrupt wire
+    format, a string field that is not UTF-8) with INVALID_ARGUMENT naming the decoding error,
+    where grpcio alone would answer UNKNOWN and log a traceback per call. Unary-unary and
+    unary-stream methods (all the public API has)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.unary_unary is not None:
+            inner_unary = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await _refuse_undecodable(request, context)
+                return await inner_unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, _tolerant(handler.request_deserializer), handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await _refuse_undecodable(request, context)
+                async for response in inner_stream(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, _tolerant(handler.request_deserializer), handler.response_serializer
+            )
+        return handler
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid message of this method's type: {request.error}",
+        )
+
+
 class GrpcGateway:
     """The gRPC server: Generation, health and reflection on ``host:port``.
 
@@ -218,7 +282,10 @@ class GrpcGateway:
         self.host = host
         self.port = port
         self.server = grpc.aio.server(
-            interceptors=api_key_check(api_key, lambda m: m.startswith(f"/{SERVICE_NAME}/")),
+            interceptors=[
+                *api_key_check(api_key, lambda m: m.startswith(f"/{SERVICE_NAME}/")),
+                MalformedRequestCheck(),
+            ],
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),

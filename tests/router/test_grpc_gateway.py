@@ -202,3 +202,28 @@ async def test_prompts_are_tokenized_off_the_event_loop(tokenizer: Tokenizer) ->
             out = [r async for r in stub.Generate(req)]
             assert out[-1].WhichOneof("response") == "complete"
         assert len(rec.threads) == 2 and all(t.startswith("tokenize") for t in rec.threads)
+
+
+async def test_undecodable_request_is_invalid_argument(tokenizer: Tokenizer) -> None:
+    """Bytes that are not a valid request message (corrupt wire format, a string field that is
+    not UTF-8) get INVALID_ARGUMENT naming the decoding error, not UNKNOWN; the gateway serves the
+    next call."""
+    raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
+    not_utf8 = b"\x12\x04hi\xff\xfe"  # field 2 (text), 4 bytes that are not UTF-8
+    async with gateway(tokenizer) as (_c, _router, channel):
+        generate = channel.unary_stream(f"/{SERVICE_NAME}/Generate", **raw)
+        for body in (b"\xff\xff\xff\xff", not_utf8):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in generate(body)]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid message" in (err.value.details() or "")
+        list_models = channel.unary_unary(f"/{SERVICE_NAME}/ListModels", **raw)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await list_models(b"\xff\xff\xff\xff")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub = gpb_grpc.GenerationStub(channel)
+        models = await stub.ListModels(gpb.ListModelsRequest())
+        assert [m.id for m in models.models] == ["smollm2"]
+        req = gpb.GenerateRequest(text="Capital?", sampling=cpb.SamplingParams(max_tokens=4))
+        out = [r async for r in stub.Generate(req)]
+        assert out[-1].WhichOneof("response") == "complete"
