@@ -121,7 +121,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = RouterError(str(exc.detail))
+        detail = str(exc.detail)
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None:
+            # FastAPI's "There was an error parsing the body" hides why (bytes that are not
+            # UTF-8, an integer past Python's 4300-digit limit, nesting deeper than the parser
+            # recurses): say it
+            detail = f"the request body could not be parsed: {_short_repr(str(cause), 160)}"
+        err = RouterError(detail)
         err.status = exc.status_code
         err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(err)
