@@ -17,8 +17,8 @@ get coded panels (``skinny_pack_codes``), timed against fp32 panels of the same 
 (``skinny_pack``) and oneDNN, the three interleaved round by round; outputs must be bit-equal
 between the two kinds of panels.
 
-Exits with status 2 where the kernel cannot run for the dtype (fp32: no AVX-512F; bf16: no
-AVX512_BF16; or no C compiler).
+Exits with status 2 where the kernel cannot run for the dtype (fp32: neither AVX-512F nor AVX2
+with FMA; bf16: no AVX512_BF16; or no C compiler).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def gguf_weight(n: int, k: int, qtype: str, gen: torch.Generator) -> torch.Tenso
 def codes_main(args: argparse.Namespace) -> int:
     """--gguf-codes: coded panels against fp32 panels and oneDNN, the same GGUF-valued weights."""
     if skinny_pack_codes(gguf_weight(16, 32, "Q4_1", torch.Generator().manual_seed(0))) is None:
-        print("the kernel's weight codes are unavailable here (AVX-512F)", file=sys.stderr)
+        print("the kernel's weight codes are unavailable here (they need AVX-512F or AVX2 with FMA)", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -29,10 +29,11 @@ the kernel off). Results differ from oneDNN's by
 rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).
 
 fp32 weights dequantised from a GGUF file (the bundled SmolLM2: Q4_1 layers, a Q8_0 embedding)
-are integer codes times per-group scales; where the CPU has AVX-512F such a weight's panels hold
-those codes instead (:func:`skinny_pack_codes`; SmolLM2: 112 MB instead of 538), rebuilt bit
-for bit in the kernel: the same results as fp32 panels, at 1.4-1.7x their speed for 1 to 8 rows
-and about the same at 14-16 (SmolLM2-135M's decode GEMMs, Zen 5, one thread), with less of
+are integer codes times per-group scales; where the CPU has AVX-512F, or AVX2 with FMA, such a
+weight's panels hold those codes instead (:func:`skinny_pack_codes`; SmolLM2: 112 MB instead of
+538), rebuilt bit for bit in the kernel: the same results as fp32 panels, at 1.4-1.7x their speed
+for 1 to 8 rows and about the same at 14-16 (SmolLM2-135M's decode GEMMs, Zen 5, one thread; on
+a Zen 3 with AVX2 only 1.5-1.6x at 1 row, 1.1x at 8, 1.04x at 16, 1.02x at 256), with less of
 the memory traffic that a decode step shares with a prefill on the other core
 (``PDSERVE_CPU_WEIGHT_CODES=0`` keeps fp32 panels; docs/benchmarks.md, session 37).
 """
@@ -211,7 +212,8 @@ def _skinny_kernel(dtype: torch.dtype) -> tuple[Callable[..., int] | None, str |
 @functools.cache
 def _codes_kernel() -> Callable[..., int] | None:
     """The loaded ``pd_skinny_gemm`` (weight format first, then the fp32 entry's arguments), or
-    None where the library cannot be built or lacks the coded formats (no AVX-512F)."""
+    None where the library cannot be built or lacks the coded formats (neither AVX-512F nor AVX2
+    with FMA)."""
     kl = load_library(SKINNY_SOURCE)
     if kl.lib is None or not kl.lib.pd_skinny_codes_available():
         return None
@@ -223,7 +225,7 @@ def _codes_kernel() -> Callable[..., int] | None:
 
 def _codes_built() -> bool:
     """Whether fp32 weights may get coded panels here (:func:`skinny_pack_codes`): the kernel's
-    codes built (AVX-512F), the skinny kernel on, and ``PDSERVE_CPU_WEIGHT_CODES`` not 0."""
+    codes built (AVX-512F, or AVX2 with FMA), the skinny kernel on, and ``PDSERVE_CPU_WEIGHT_CODES`` not 0."""
     return (
         env.cpu_weight_codes()
         and skinny_reason(torch.float32) is None
@@ -239,7 +241,7 @@ def _format_kernel(fmt: int) -> tuple[Callable[..., int] | None, str | None]:
         return _skinny_kernel(torch.float32 if fmt == SK_F32 else torch.bfloat16)
     fn = _codes_kernel()
     if fn is None:
-        return None, "the kernel's weight codes need AVX-512F"
+        return None, "the kernel's weight codes need AVX-512F or AVX2 with FMA"
     return functools.partial(fn, fmt), None
 
 
@@ -417,7 +419,8 @@ def _solve_codes(
 
 def skinny_pack_codes(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """fp32 ``weight`` [N, K] as the skinny kernel's coded panels, or None where no coding
-    reproduces every weight exactly (or the kernel's codes are not built here: AVX-512F).
+    reproduces every weight exactly (or the kernel's codes are not built here: they need AVX-512F
+    or AVX2 with FMA).
 
     A model dequantised from a GGUF file holds fp32 weights that are small integer codes times a
     per-group scale (plus an offset): Q4_1 gives ``d * q + m`` with 4-bit q, Q8_0 ``d * q`` with

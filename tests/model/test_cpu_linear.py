@@ -277,6 +277,27 @@ def test_skinny_every_row_count(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
+def test_skinny_fp32_rows_together_equal_each_row_alone() -> None:
+    """Every output is one chain of multiply-adds in k order whatever the row count and however
+    the kernel blocks the rows and cuts k (AVX2: 128-step chunks for 7 to 32 rows), so a batch's
+    rows are bit-equal to the same rows run one at a time."""
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(35, 300, generator=gen), torch.randn(35, generator=gen)
+    panels = skinny_pack(w)
+    x = torch.randn(40, 300, generator=gen)
+    alone = torch.cat([skinny_linear(x[i : i + 1], panels, 35, b) for i in range(40)])
+    for rows in (*range(2, 34), 40):
+        for bias in (b, None):
+            want = alone[:rows] if bias is not None else None
+            y = skinny_linear(x[:rows], panels, 35, bias)
+            if want is None:
+                want = torch.cat(
+                    [skinny_linear(x[i : i + 1], panels, 35, None) for i in range(rows)]
+                )
+            assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (rows, bias is None)
+
+
+@pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
 def test_skinny_linear_rejects_what_does_not_fit() -> None:
     w, x = torch.randn(40, 24), torch.randn(3, 24)
     panels = skinny_pack(w)

@@ -24,7 +24,8 @@ from pdserve.model.cpu_linear import (
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        not cpu_linear._codes_built(), reason="the skinny kernel's weight codes need AVX-512F"
+        not cpu_linear._codes_built(),
+        reason="the skinny kernel's weight codes need AVX-512F or AVX2 with FMA",
     ),
 ]
 
@@ -45,7 +46,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize(
     ("qtype", "fmt"), [(Q.Q4_1, SK_Q4), (Q.Q8_0, SK_Q8), (Q.Q4_0, SK_Q8), (Q.Q5_0, SK_Q8)]
 )
-@pytest.mark.parametrize(("n", "k"), [(40, 64), (16, 32), (3, 96), (50, 160)])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (16, 32), (3, 96), (50, 160), (20, 288)])
 def test_gguf_weights_get_codes_and_the_fp32_panels_results(
     qtype: Q, fmt: int, n: int, k: int
 ) -> None:

@@ -51,12 +51,19 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <pthread.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define PANEL 16  /* output columns per panel (one AVX-512 register of floats, two AVX ones) */
+/* weight formats (the "dtype" of the entry points below): x, bias and y are fp32 for all but
+ * SK_BF16 (bf16 throughout) */
+#define SK_F32 0
+#define SK_BF16 1
+#define SK_Q4 2 /* fp32 weights as 4-bit codes, a scale and an offset per 32 k (see QGROUP) */
+#define SK_Q8 3 /* fp32 weights as 8-bit codes and a scale per 32 k */
 /* fp32 on a target with AVX2 and FMA but no AVX-512F (the AVX2 blocks below) */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define SKINNY_AVX2 1
@@ -153,24 +160,36 @@ static inline __attribute__((always_inline)) void panel_block_n(
  * so a row needs two accumulators and a block holds MR = 6 rows (12 accumulators, the two halves
  * of the line and one broadcast row operand: 15 of the 16 registers). Rows past 6 re-read the
  * panel from L2 (a panel is K x 64 bytes: 36 KB for K = 576, 96 KB for K = 1536). Bias and the
- * last panel's ncols < 16 columns go through masked loads and stores. */
-static inline __attribute__((always_inline)) void panel_block_n(
+ * last panel's ncols < 16 columns go through masked loads and stores. from_y (a constant once
+ * inlined): the accumulators start from y's rows instead of the bias, so a panel's k range can be
+ * run in chunks with each multiply-add applied in the same order (codes_panels_avx2). */
+static inline __attribute__((always_inline)) void panel_block_avx2(
     const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
-    int64_t ldy, int ncols) {
+    int64_t ldy, int ncols, const int from_y) {
     const float *xt = xv, *panel = pv, *bias = bv;
     float *y = yv;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(ncols), lane);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(ncols - 8), lane);
-    const __m256 b0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
-    const __m256 b1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
-#define DECL(r) __m256 lo##r = b0, hi##r = b1;
+    /* VMASKMOVPS is slow on AMD CPUs (a masked store per row and half at each call's end cost
+     * codes_panels_avx2 ~15% at 16 rows, Zen 3): full panels take plain loads and stores */
+    const int full = ncols == PANEL;
+    const __m256 b0 = bias && !from_y ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    const __m256 b1 = bias && !from_y ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+#define DECL(r)                                                                               \
+    __m256 lo##r = b0, hi##r = b1;                                                            \
+    if (from_y && r < mr) {                                                                   \
+        lo##r = full ? _mm256_loadu_ps(y + (int64_t)(r) * ldy)                                \
+                     : _mm256_maskload_ps(y + (int64_t)(r) * ldy, m0);                        \
+        hi##r = full ? _mm256_loadu_ps(y + (int64_t)(r) * ldy + 8)                            \
+                     : _mm256_maskload_ps(y + (int64_t)(r) * ldy + 8, m1);                    \
+    }
     REP6(DECL)
 #undef DECL
     for (int64_t kk = 0; kk < k; kk++) {
         const __m256 w0 = _mm256_loadu_ps(panel + kk * PANEL);
         const __m256 w1 = _mm256_loadu_ps(panel + kk * PANEL + 8);
-        _mm_prefetch((const char *)(panel + (kk + PF_LINES) * PANEL), _MM_HINT_T1);
+        if (!from_y) _mm_prefetch((const char *)(panel + (kk + PF_LINES) * PANEL), _MM_HINT_T1);
 #define FMA(r)                                                                                \
     if (r < mr) {                                                                             \
         const __m256 xb = _mm256_broadcast_ss(xt + kk * mr + r);                              \
@@ -182,11 +201,28 @@ static inline __attribute__((always_inline)) void panel_block_n(
     }
 #define STORE(r)                                                                              \
     if (r < mr) {                                                                             \
-        _mm256_maskstore_ps(y + (int64_t)(r) * ldy, m0, lo##r);                               \
-        _mm256_maskstore_ps(y + (int64_t)(r) * ldy + 8, m1, hi##r);                           \
+        if (full) {                                                                           \
+            _mm256_storeu_ps(y + (int64_t)(r) * ldy, lo##r);                                  \
+            _mm256_storeu_ps(y + (int64_t)(r) * ldy + 8, hi##r);                              \
+        } else {                                                                              \
+            _mm256_maskstore_ps(y + (int64_t)(r) * ldy, m0, lo##r);                           \
+            _mm256_maskstore_ps(y + (int64_t)(r) * ldy + 8, m1, hi##r);                       \
+        }                                                                                     \
     }
     REP6(STORE)
 #undef STORE
+}
+
+static inline __attribute__((always_inline)) void panel_block_n(
+    const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
+    int64_t ldy, int ncols) {
+    panel_block_avx2(xv, mr, pv, k, bv, yv, ldy, ncols, 0);
+}
+
+static inline __attribute__((always_inline)) void panel_block_acc_n(
+    const void *xv, const int mr, const void *pv, int64_t k, const void *bv, void *yv,
+    int64_t ldy, int ncols) {
+    panel_block_avx2(xv, mr, pv, k, bv, yv, ldy, ncols, 1);
 }
 #endif
 
@@ -216,6 +252,14 @@ static inline __attribute__((always_inline)) void panel_block_n(
 #endif
 
 BLOCKS(F32_BLOCKS, panel_block_n)
+#if SKINNY_AVX2
+BLOCKS(F32_ACC_BLOCKS, panel_block_acc_n)
+#endif
+
+#define QGROUP 32
+#define Q4_GROUP_BYTES (2 * 64 + QGROUP / 2 * PANEL) /* 384: d, m, 16 pairs x 16 columns */
+#define Q8_GROUP_BYTES (64 + QGROUP * PANEL)         /* 576: d, 32 steps x 16 columns */
+#define Q_PF_BYTES (PF_LINES * 64)
 
 #if defined(__AVX512F__)
 /* fp32 weights held as small integer codes (SK_Q4, SK_Q8; built by skinny_pack_codes in
@@ -234,10 +278,6 @@ BLOCKS(F32_BLOCKS, panel_block_n)
  * (bench/skinny_gemm.py --gguf-codes --threads 1, interleaved): 1 row 9.2 ms against 15.3 with
  * fp32 panels, 8 rows 12.7 against 17.3, 16 rows 20.7 against 20.1, 32 rows 39.6 against 38.6:
  * from ~14 rows the fp32 panels are bound by the multiply-adds too. */
-#define QGROUP 32
-#define Q4_GROUP_BYTES (2 * 64 + QGROUP / 2 * PANEL) /* 384: d, m, 16 pairs x 16 columns */
-#define Q8_GROUP_BYTES (64 + QGROUP * PANEL)         /* 576: d, 32 steps x 16 columns */
-#define Q_PF_BYTES (PF_LINES * 64)
 
 /* One register block of coded panels (q4: SK_Q4, else SK_Q8; a constant once inlined), as
  * panel_block_n: two k steps an iteration, each rebuilt as its 16 fp32 weights, then the rows'
@@ -306,6 +346,120 @@ static inline __attribute__((always_inline)) void panel_block_q8_n(
 
 BLOCKS(Q4_BLOCKS, panel_block_q4_n)
 BLOCKS(Q8_BLOCKS, panel_block_q8_n)
+#define SKINNY_HAVE_CODES 1
+#elif SKINNY_AVX2
+/* The codes on AVX2 + FMA: with 16 registers a block cannot hold its rows' accumulators beside a
+ * group's scales and offsets and the rebuilt weights, so a panel is first rebuilt as fp32 panel
+ * lines into a buffer and the fp32 blocks run over it: CODE_CHUNK k steps at a time on the stack
+ * (8 KB, in L1) for up to CODE_WHOLE_FROM rows, the whole panel at once (k * 64 bytes, in L2, a
+ * buffer per thread) for more. Every row block then reads the rebuilt weights from L1 or L2, as
+ * the fp32 panels' blocks past the first read theirs from L2. A chunk's blocks start from the sums
+ * the previous chunk stored in y (panel_block_acc_n), so each output's multiply-adds happen in the
+ * same order on the same fp32 weights as with fp32 panels: the same results bit for bit. A weight
+ * is rebuilt once per call whatever the row count, as in panel_block_codes: q * d + m in one
+ * multiply-add (SK_Q4), q * d (SK_Q8). SmolLM2-135M's 30 layers and LM head (Q4_1, Q8_0), one
+ * thread, Zen 3 EPYC (bench/skinny_gemm.py --gguf-codes --threads 1): against fp32 panels 1.61x
+ * at 1 row, 1.11x at 8, 1.04-1.06x at 16 and 1.02-1.06x at 32 (the multiply-adds bound both
+ * there); 256 rows (a prefill's, through the shared helper) 1.01x with the whole panel, 0.86x
+ * with 128-step chunks (each row block's slice of x then starts a new stream). */
+#define CODE_CHUNK 128
+#define CODE_WHOLE_FROM 16
+
+/* Group g of a coded panel (q4: SK_Q4, else SK_Q8) rebuilt as fp32 panel lines out[32][16]. */
+static inline __attribute__((always_inline)) void rebuild_group(const char *grp, float *out,
+                                                                const int q4) {
+    const int64_t group_bytes = q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    for (int l = 0; l < group_bytes / 64; l++) _mm_prefetch(grp + Q_PF_BYTES + 64 * l, _MM_HINT_T0);
+    const __m256 d0 = _mm256_loadu_ps((const float *)grp);
+    const __m256 d1 = _mm256_loadu_ps((const float *)grp + 8);
+    if (q4) {
+        const __m256 m0 = _mm256_loadu_ps((const float *)(grp + 64));
+        const __m256 m1 = _mm256_loadu_ps((const float *)(grp + 64) + 8);
+        const __m128i *q = (const __m128i *)(grp + 128);
+        const __m256i low = _mm256_set1_epi32(15);
+        for (int s = 0; s < QGROUP / 2; s++) {
+            /* byte j: column j's codes of steps 2s (low nibble) and 2s + 1 (high nibble) */
+            const __m128i b = _mm_loadu_si128(q + s);
+            const __m256i c0 = _mm256_cvtepu8_epi32(b);
+            const __m256i c1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
+            float *o = out + 2 * s * PANEL;
+            _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, low)), d0, m0));
+            _mm256_store_ps(o + 8,
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, low)), d1, m1));
+            _mm256_store_ps(o + PANEL,
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), d0, m0));
+            _mm256_store_ps(o + PANEL + 8,
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), d1, m1));
+        }
+    } else {
+        const __m128i *q = (const __m128i *)(grp + 64);
+        for (int s = 0; s < QGROUP; s++) {
+            const __m128i b = _mm_loadu_si128(q + s);
+            float *o = out + s * PANEL;
+            _mm256_store_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d0));
+            _mm256_store_ps(o + 8, _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))), d1));
+        }
+    }
+}
+
+static pthread_key_t code_panel_key;
+static pthread_once_t code_panel_once = PTHREAD_ONCE_INIT;
+static void code_panel_key_init(void) { pthread_key_create(&code_panel_key, free); }
+
+/* This thread's buffer for a whole rebuilt panel of k steps (k * 64 bytes, grown as needed and
+ * freed when the thread exits), or NULL when it cannot be allocated. */
+static float *code_panel(int64_t k) {
+    static __thread int64_t cap;
+    pthread_once(&code_panel_once, code_panel_key_init);
+    float *buf = pthread_getspecific(code_panel_key);
+    if (buf && cap >= k) return buf;
+    float *grown = aligned_alloc(64, (size_t)k * PANEL * sizeof(float));
+    if (!grown || pthread_setspecific(code_panel_key, grown)) {
+        free(grown);
+        return NULL;
+    }
+    free(buf);
+    cap = k;
+    return grown;
+}
+
+/* vector_panels for coded panels (fmt SK_Q4 or SK_Q8) on AVX2: see CODE_CHUNK. */
+static void codes_panels_avx2(int fmt, const uint32_t *xt, int64_t m, int64_t k,
+                              const char *packed, int64_t n, const float *bias, float *y,
+                              int64_t ldy, int64_t p0, int64_t p1) {
+    const int q4 = fmt == SK_Q4;
+    const int64_t group_bytes = q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    float stack_chunk[CODE_CHUNK * PANEL] __attribute__((aligned(64)));
+    float *chunk = stack_chunk;
+    int64_t chunk_k = CODE_CHUNK;
+    if (m > CODE_WHOLE_FROM) {
+        float *whole = code_panel(k);
+        if (whole) chunk = whole, chunk_k = k;
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t left = n - p * PANEL;
+        const int ncols = left < PANEL ? (int)left : PANEL;
+        const char *panel = packed + p * (k / QGROUP) * group_bytes;
+        const float *pb = bias ? bias + p * PANEL : NULL;
+        for (int64_t c0 = 0; c0 < k; c0 += chunk_k) {
+            const int64_t kc = k - c0 < chunk_k ? k - c0 : chunk_k;
+            for (int64_t g = 0; g < kc / QGROUP; g++) {
+                const char *grp = panel + (c0 / QGROUP + g) * group_bytes;
+                if (q4)
+                    rebuild_group(grp, chunk + g * QGROUP * PANEL, 1);
+                else
+                    rebuild_group(grp, chunk + g * QGROUP * PANEL, 0);
+            }
+            const block_fn *blocks = c0 ? F32_ACC_BLOCKS : F32_BLOCKS;
+            for (int64_t m0 = 0; m0 < m; m0 += MR) {
+                const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+                blocks[mr - 1](xt + m0 * k + c0 * mr, chunk, kc, pb, y + m0 * ldy + p * PANEL,
+                               ldy, ncols);
+            }
+        }
+    }
+}
 #define SKINNY_HAVE_CODES 1
 #else
 #define SKINNY_HAVE_CODES 0
@@ -448,12 +602,6 @@ int pd_skinny_set_amx(int on) {
 #define SKINNY_HAVE_CODES 0
 #endif
 
-/* weight formats (the "dtype" of the entry points below): x, bias and y are fp32 for all but
- * SK_BF16 (bf16 throughout) */
-#define SK_F32 0
-#define SK_BF16 1
-#define SK_Q4 2 /* fp32 weights as 4-bit codes, a scale and an offset per 32 k (see QGROUP) */
-#define SK_Q8 3 /* fp32 weights as 8-bit codes and a scale per 32 k */
 #define PATH_VECTOR 0
 #define PATH_AMX 1
 
@@ -521,9 +669,13 @@ int pd_skinny_panels(int dtype, int path, const void *prep, int64_t m, int64_t k
 #if SKINNY_HAVE_CODES
     if (dtype == SK_Q4 || dtype == SK_Q8) {
         if (k % QGROUP) return -1;
+#if SKINNY_AVX2
+        codes_panels_avx2(dtype, prep, m, k, packed, n, bias, y, ldy, p0, p1);
+#else
         vector_panels(dtype == SK_Q4 ? Q4_BLOCKS : Q8_BLOCKS, 4,
                       k / QGROUP * (dtype == SK_Q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES), prep, m, k,
                       packed, n, bias, y, ldy, p0, p1);
+#endif
         return 0;
     }
 #endif
@@ -577,14 +729,14 @@ int pd_skinny_gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const 
 
 /* pd_skinny_gemm_f32 for fp32 weights held as codes (fmt SK_Q4 or SK_Q8, packed as described at
  * panel_block_codes; k a multiple of 32), or any format by its code: x, bias and y fp32 (bf16 for
- * SK_BF16). Returns 0, -1 where the kernel is not built for the format (the codes need AVX-512F)
- * or k does not fit it, -2 out of memory. */
+ * SK_BF16). Returns 0, -1 where the kernel is not built for the format (the codes need AVX-512F,
+ * or AVX2 with FMA) or k does not fit it, -2 out of memory. */
 int pd_skinny_gemm(int fmt, const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed,
                    int64_t n, const void *bias, void *y, int64_t ldy, int num_threads) {
     return skinny_gemm(fmt, x, m, k, ldx, packed, n, bias, y, ldy, num_threads);
 }
 
-/* Whether the fp32 weight codes (SK_Q4, SK_Q8) are built here (AVX-512F). */
+/* Whether the fp32 weight codes (SK_Q4, SK_Q8) are built here (AVX-512F, or AVX2 with FMA). */
 int pd_skinny_codes_available(void) { return SKINNY_HAVE_CODES; }
 
 /* The bf16 twin of pd_skinny_gemm_f32: x, packed, bias and y hold bf16 (as uint16_t); k even,
