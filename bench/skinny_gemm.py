@@ -83,7 +83,10 @@ def gguf_weight(n: int, k: int, qtype: str, gen: torch.Generator) -> torch.Tenso
 def codes_main(args: argparse.Namespace) -> int:
     """--gguf-codes: coded panels against fp32 panels and oneDNN, the same GGUF-valued weights."""
     if skinny_pack_codes(gguf_weight(16, 32, "Q4_1", torch.Generator().manual_seed(0))) is None:
-        print("the kernel's weight codes are unavailable here (they need AVX-512F or AVX2 with FMA)", file=sys.stderr)
+        print(
+            "the kernel's weight codes are unavailable here (they need AVX-512F or AVX2 with FMA)",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
