@@ -186,6 +186,12 @@ static inline __attribute__((always_inline)) void panel_block_avx2(
     }
     REP6(DECL)
 #undef DECL
+    /* 4 k steps an iteration: rolled, a block of 4 rows took ~8 cycles a k step where its 8
+     * multiply-adds need 4, ~5 unrolled (Zen 3 EPYC, one thread, weights in L3). SmolLM2-135M's
+     * coded layers and LM head, the two builds alternated in one process 12 times: 16 rows
+     * (6 + 6 + 4) 56.6 ms against 63.4 (best), 59.4 against 71.7 (median); 8 rows 1.04-1.09x;
+     * 1 and 32 rows unchanged. */
+#pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; kk++) {
         const __m256 w0 = _mm256_loadu_ps(panel + kk * PANEL);
         const __m256 w1 = _mm256_loadu_ps(panel + kk * PANEL + 8);
