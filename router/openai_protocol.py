@@ -28,7 +28,7 @@ from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.structured.spec import StructuredOutputSpec
 from router.errors import BadRequest
 from router.prompts import check_text
-from router.structured_request import logit_bias_pairs, structured_spec
+from router.structured_request import logit_bias_pairs, structured_spec, top_field
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -178,9 +178,10 @@ class _Common(BaseModel):
         }
         spec = structured_spec(self.response_format, self.structured_outputs, guided)
         if spec is not None and extra is not None:
+            field = top_field(spec.field)
             raise BadRequest(
-                f"'{spec.field}' cannot be combined with a 'tool_choice' that forces a call",
-                param=spec.field,
+                f"'{field}' cannot be combined with a 'tool_choice' that forces a call",
+                param=field,
             )
         return spec or extra
 

@@ -32,7 +32,14 @@ _VLLM_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "struc
 # closed (pdserve/structured/strict.py), and there is one backend
 _VLLM_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                  "whitespace_pattern")  # fmt: skip
+_VLLM_BOOL_OPTIONS = _VLLM_OPTIONS[:3]
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def top_field(field: str) -> str:
+    """The top-level request field of a field path (``structured_outputs.regex`` ->
+    ``structured_outputs``): what a "cannot be combined" error names."""
+    return field.split(".", 1)[0]
 
 
 def _spec(kind: str, value: Any, field: str) -> StructuredOutputSpec:
@@ -72,8 +79,9 @@ def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec 
         js = fmt.get("json_schema")
         if not isinstance(js, Mapping):
             raise BadRequest(
-                "'response_format' of type 'json_schema' needs 'json_schema': {'name', 'schema'}",
-                param="response_format",
+                "'response_format.json_schema' is required with type 'json_schema' (an object: "
+                "{'name', 'schema'})",
+                param="response_format.json_schema",
             )
         if not isinstance(js.get("name"), str) or not js["name"]:
             raise BadRequest(
@@ -86,7 +94,13 @@ def response_format_spec(fmt: Mapping[str, Any] | None) -> StructuredOutputSpec 
                 f"{type(js['schema']).__name__}",
                 param="response_format.json_schema.schema",
             )
-        return _spec("json_schema", js.get("schema", {}), "response_format")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise BadRequest(
+                "'response_format.json_schema.strict' must be a boolean, got "
+                f"{type(js['strict']).__name__}",
+                param="response_format.json_schema.strict",
+            )
+        return _spec("json_schema", js.get("schema", {}), "response_format.json_schema.schema")
     allowed = ", ".join(repr(k) for k in _RESPONSE_FORMAT_TYPES)
     if kind is None:
         problem = "is required"
@@ -107,9 +121,10 @@ def structured_outputs_spec(so: Mapping[str, Any]) -> StructuredOutputSpec:
     ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag`` (null, and
     ``json_object: false``, count as unset). vLLM's option keys beside it
     (``disable_any_whitespace`` ...) are ignored. Raises BadRequest naming
-    ``structured_outputs`` when none or several are set, a key is unknown (a misspelt
-    constraint would otherwise read as none), or the one set is ``structural_tag`` (not
-    supported here) or malformed.
+    ``structured_outputs`` when none or several are set or a key is unknown (a misspelt
+    constraint would otherwise read as none), and naming the sub-field's path (e.g.
+    ``structured_outputs.regex``) when the one set is ``structural_tag`` (not supported here)
+    or malformed, or an option has the wrong type (booleans; ``whitespace_pattern`` a string).
     """
     kinds = ", ".join(repr(k) for k in _VLLM_CONSTRAINTS if k != "structural_tag")
     unknown = [k for k in so if k not in _VLLM_CONSTRAINTS and k not in _VLLM_OPTIONS]
@@ -118,6 +133,20 @@ def structured_outputs_spec(so: Mapping[str, Any]) -> StructuredOutputSpec:
         raise BadRequest(
             f"'structured_outputs' has unknown key(s) {shown}; its constraint is one of {kinds}",
             param="structured_outputs",
+        )
+    for k in _VLLM_OPTIONS:
+        want = bool if k in _VLLM_BOOL_OPTIONS else str
+        if so.get(k) is not None and not isinstance(so[k], want):
+            raise BadRequest(
+                f"'structured_outputs.{k}' must be a {'boolean' if want is bool else 'string'}, "
+                f"got {type(so[k]).__name__}",
+                param=f"structured_outputs.{k}",
+            )
+    if so.get("json_object") is not None and not isinstance(so["json_object"], bool):
+        raise BadRequest(
+            "'structured_outputs.json_object' must be a boolean, got "
+            f"{type(so['json_object']).__name__}",
+            param="structured_outputs.json_object",
         )
     given = [k for k in _VLLM_CONSTRAINTS if so.get(k) is not None and so.get(k) is not False]
     if not given:
@@ -136,9 +165,9 @@ def structured_outputs_spec(so: Mapping[str, Any]) -> StructuredOutputSpec:
         raise BadRequest(
             "'structured_outputs.structural_tag' is not supported; use 'json', 'regex', "
             "'choice', 'grammar' or 'json_object'",
-            param="structured_outputs",
+            param="structured_outputs.structural_tag",
         )
-    return _spec(_VLLM_KINDS.get(k, "json_object"), so[k], "structured_outputs")
+    return _spec(_VLLM_KINDS.get(k, "json_object"), so[k], f"structured_outputs.{k}")
 
 
 def structured_spec(
@@ -158,10 +187,10 @@ def structured_spec(
         if value is not None:
             found.append(_spec(_VLLM_KINDS[name.removeprefix("guided_")], value, name))
     if len(found) > 1:
+        second, first = top_field(found[1].field), top_field(found[0].field)
         raise BadRequest(
-            f"'{found[1].field}' cannot be combined with '{found[0].field}': give one output "
-            "constraint",
-            param=found[1].field,
+            f"'{second}' cannot be combined with '{first}': give one output constraint",
+            param=second,
         )
     return found[0] if found else None
 

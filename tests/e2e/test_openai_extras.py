@@ -294,7 +294,8 @@ def test_uncompilable_schema_is_a_400(server: ServeProcess) -> None:
         },
     }
     r = _post(server, "/v1/chat/completions", body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
 
 
 # -- tools --------------------------------------------------------------------------------------

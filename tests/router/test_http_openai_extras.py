@@ -127,7 +127,11 @@ async def test_chat_echo_prepends_the_assistant_message(tokenizer: Tokenizer) ->
         ("/v1/chat/completions", {"response_format": {}}, "response_format.type"),
         ("/v1/completions", {"structured_outputs": {}}, "structured_outputs"),
         ("/v1/completions", {"min_tokens": 1, "allowed_token_ids": [EOS]}, "allowed_token_ids"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
         (

@@ -15,20 +15,25 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize(
-    ("field", "value", "limit"),
+    ("field", "value", "limit", "param"),
     [
-        ("guided_regex", "a{1000000}", MAX_REGEX_SIZE),
-        ("guided_choice", ["a"] * 2500, MAX_CHOICES),
-        ("guided_json", {"type": "string", "pattern": "a{99999}"}, MAX_REGEX_SIZE),
-        ("structured_outputs", {"regex": "(ab){99999}"}, MAX_REGEX_SIZE),
+        ("guided_regex", "a{1000000}", MAX_REGEX_SIZE, "guided_regex"),
+        ("guided_choice", ["a"] * 2500, MAX_CHOICES, "guided_choice"),
+        ("guided_json", {"type": "string", "pattern": "a{99999}"}, MAX_REGEX_SIZE, "guided_json"),
+        (
+            "structured_outputs",
+            {"regex": "(ab){99999}"},
+            MAX_REGEX_SIZE,
+            "structured_outputs.regex",
+        ),
     ],
 )
 async def test_costly_structured_output_is_refused_at_the_router(
-    tokenizer: Tokenizer, path: str, field: str, value: object, limit: int
+    tokenizer: Tokenizer, path: str, field: str, value: object, limit: int, param: str
 ) -> None:
     async with env(tokenizer) as e:
         r = await post_with(e, path, field, value)
-        assert str(limit) in assert_openai_error(r, 400, field)["message"]
+        assert str(limit) in assert_openai_error(r, 400, param)["message"]
         assert not e.cluster.decodes[0].requests and not e.cluster.prefills[0].requests
 
 
