@@ -51,3 +51,21 @@ def loads(text: str, limit: int = MAX_JSON_DEPTH) -> Any:
         raise ValueError(f"nested deeper than {limit} levels") from None
     check_depth(value, limit)
     return value
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of decoded ``value``'s type (``null``, ``boolean``, ``number``, ``string``,
+    ``array``, ``object``), for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

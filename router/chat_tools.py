@@ -10,6 +10,7 @@ template family's parser), ``required`` (the output is constrained to a JSON arr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,25 +31,86 @@ from router.tool_parsers import (
 
 
 def check_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
-    """OpenAI tool definitions, validated. Raises BadRequest naming ``tools[i]``."""
+    """OpenAI tool definitions, validated. Raises BadRequest naming the field at fault
+    (``tools[i].function.name`` ...), or ``tools`` when two define the same function name (a
+    call names its function, so a name must pick one)."""
     out = []
+    first: dict[str, int] = {}  # function name -> index of the tool that defines it
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(t, Mapping) or t.get("type", "function") != "function":
-            raise BadRequest(f"'tools[{i}]' must be {{'type': 'function', ...}}", param="tools")
+            raise BadRequest(
+                f"'tools[{i}]' must be {{'type': 'function', ...}}", param=f"tools.{i}"
+            )
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(
-                f"'tools[{i}].function.name' must be a non-empty string", param="tools"
+                f"'tools[{i}].function.name' must be a non-empty string",
+                param=f"tools.{i}.function.name",
             )
         params = fn.get("parameters")
+        where = f"tools[{i}].function.parameters"
         if params is not None and not isinstance(params, Mapping):
-            raise BadRequest(f"'tools[{i}].function.parameters' must be an object", param="tools")
+            raise BadRequest(f"'{where}' must be an object", param=f"tools.{i}.function.parameters")
         try:
             json_text.check_depth(params)
         except ValueError as e:
-            raise BadRequest(f"'tools[{i}].function.parameters' is {e}", param="tools") from None
+            raise BadRequest(f"'{where}' is {e}", param=f"tools.{i}.function.parameters") from None
+        name = fn["name"]
+        if name in first:
+            raise BadRequest(
+                f"'tools' defines function {_shown(name)} twice (tools[{first[name]}] and "
+                f"tools[{i}]); function names must be unique",
+                param="tools",
+            )
+        first[name] = i
         out.append({"type": "function", "function": dict(fn)})
     return out
+
+
+def check_tool_calls(calls: Sequence[Any], where: str, param: str) -> None:
+    """An assistant message's ``tool_calls``, as OpenAI's API reference defines them: a list of
+    ``{"id": str, "type": "function", "function": {"name": str, "arguments": str}}``
+    (``arguments`` is the call's JSON text, as a response carries it). ``where`` and ``param``
+    name the list as a message and as the error's ``param`` spell it (``messages[2].tool_calls``,
+    ``messages.2.tool_calls``). Raises BadRequest naming the first field at fault, e.g.
+    ``messages[2].tool_calls[0].function.name``."""
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise BadRequest(f"'{where}' must be a list of tool calls", param=param)
+    for j, call in enumerate(calls):
+        at, at_param = f"{where}[{j}]", f"{param}.{j}"
+        if not isinstance(call, Mapping):
+            raise BadRequest(
+                f"'{at}' must be an object {{'id', 'type': 'function', 'function'}}", param=at_param
+            )
+        if call.get("type") != "function":
+            got = "it is missing" if "type" not in call else f"got {_shown(call['type'])}"
+            raise BadRequest(f"'{at}.type' must be 'function' ({got})", param=f"{at_param}.type")
+        if not isinstance(call.get("id"), str):
+            got = "it is missing" if "id" not in call else f"got {json_text.json_type(call['id'])}"
+            raise BadRequest(f"'{at}.id' must be a string ({got})", param=f"{at_param}.id")
+        fn = call.get("function")
+        if not isinstance(fn, Mapping):
+            raise BadRequest(
+                f"'{at}.function' must be an object {{'name', 'arguments'}}",
+                param=f"{at_param}.function",
+            )
+        for key in ("name", "arguments"):
+            if not isinstance(fn.get(key), str):
+                got = "it is missing" if key not in fn else f"got {json_text.json_type(fn[key])}"
+                raise BadRequest(
+                    f"'{at}.function.{key}' must be a string ({got})",
+                    param=f"{at_param}.function.{key}",
+                )
+        if not fn["name"]:
+            raise BadRequest(
+                f"'{at}.function.name' must not be empty", param=f"{at_param}.function.name"
+            )
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message, cut to 40 characters."""
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else f"{text[:36]}..."
 
 
 @dataclass(frozen=True)
@@ -189,16 +251,28 @@ def tool_setup(
     if isinstance(tool_choice, Mapping):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
-        if tool_choice.get("type") != "function" or not isinstance(name, str):
+        shape = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        if tool_choice.get("type") != "function":
             raise BadRequest(
-                "'tool_choice' must be 'none', 'auto', 'required' or "
-                "{'type': 'function', 'function': {'name': ...}}",
-                param="tool_choice",
+                f"'tool_choice.type' must be 'function' (tool_choice is {shape})",
+                param="tool_choice.type",
+            )
+        if not isinstance(fn, Mapping):
+            raise BadRequest(
+                f"'tool_choice.function' must be an object {{'name': ...}} (tool_choice is "
+                f"{shape})",
+                param="tool_choice.function",
+            )
+        if not isinstance(name, str):
+            raise BadRequest(
+                "'tool_choice.function.name' must be a string (the name of one of 'tools')",
+                param="tool_choice.function.name",
             )
         if name not in names:
             raise BadRequest(
-                f"'tool_choice' names function {name!r}, which is not in 'tools' ({names})",
-                param="tool_choice",
+                f"'tool_choice.function.name' names function {_shown(name)}, which is not in "
+                f"'tools' ({names})",
+                param="tool_choice.function.name",
             )
         return ToolSetup(checked, "named", name, parallel, parser)
     raise BadRequest(f"'tool_choice' {tool_choice!r} is not supported", param="tool_choice")

@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve import json_text
 from pdserve.v1 import generate_pb2 as gpb
-from router.chat_tools import ToolSetup, tool_setup
+from router.chat_tools import ToolSetup, check_tool_calls, tool_setup
 from router.errors import BadRequest
 from router.openai_protocol import CHAT_ROLES
 
@@ -28,17 +28,6 @@ class ChatInputs:
 _KIND_NAMES: dict[type, str] = {list: "array", dict: "object", str: "string"}
 
 
-def _json_type(value: Any) -> str:
-    """The JSON name of a decoded value's type (for messages)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return _KIND_NAMES.get(type(value), type(value).__name__)
-
-
 def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = None) -> Any:
     """``text`` decoded as JSON of one of ``kinds`` (each element of type ``items`` when given).
     Raises BadRequest naming ``param``."""
@@ -50,12 +39,14 @@ def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = N
         raise BadRequest(f"'{param}' is not valid JSON: {e}", param=param) from None
     if not isinstance(value, kinds) or isinstance(value, bool):
         want = " or ".join(_KIND_NAMES[k] for k in kinds)
-        raise BadRequest(f"'{param}' must be a JSON {want} (got {_json_type(value)})", param=param)
+        raise BadRequest(
+            f"'{param}' must be a JSON {want} (got {json_text.json_type(value)})", param=param
+        )
     if items is not None and isinstance(value, list):
         for i, item in enumerate(value):
             if not isinstance(item, items):
                 raise BadRequest(
-                    f"'{param}'[{i}] must be a JSON {_KIND_NAMES[items]} (got {_json_type(item)})",
+                    f"'{param}'[{i}] must be a JSON {_KIND_NAMES[items]} (got {json_text.json_type(item)})",
                     param=f"{param}.{i}",
                 )
     return value
@@ -76,6 +67,9 @@ def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
         calls = _json(m.tool_calls_json, f"chat.messages.{i}.tool_calls_json", (list,), dict)
         if calls:
+            check_tool_calls(
+                calls, f"chat.messages[{i}].tool_calls_json", f"chat.messages.{i}.tool_calls_json"
+            )
             msg["tool_calls"] = calls
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.structured.spec import StructuredOutputSpec
+from router.chat_tools import check_tool_calls
 from router.errors import BadRequest
 from router.prompts import check_text
 from router.structured_request import logit_bias_pairs, structured_spec, top_field
@@ -106,6 +107,23 @@ class ChatMessage(BaseModel):
                 )
             pieces.append(part.text)
         return "".join(pieces)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as plain dicts for the chat template: 'role', 'content', and 'name',
+    'tool_calls', 'tool_call_id' where given. Raises BadRequest naming a non-text content part
+    or a malformed tool call (``messages[i].tool_calls[j].function.name`` ...)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:  # content stays "" when absent: templates concatenate it
+            check_tool_calls(m.tool_calls, f"messages[{i}].tool_calls", f"messages.{i}.tool_calls")
+            msg["tool_calls"] = m.tool_calls
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
 
 
 class _Common(BaseModel):
@@ -308,18 +326,8 @@ class ChatCompletionRequest(_Common):
         return self._sampling(max_tokens, self.logprobs, top, structured, self.prompt_logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template: 'role', 'content', and 'name',
-        'tool_calls', 'tool_call_id' where given."""
-        out: list[dict[str, Any]] = []
-        for i, m in enumerate(self.messages):
-            msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
-            if m.tool_calls:  # content stays "" when absent: templates concatenate it
-                msg["tool_calls"] = m.tool_calls
-            for key in ("name", "tool_call_id"):
-                if getattr(m, key) is not None:
-                    msg[key] = getattr(m, key)
-            out.append(msg)
-        return out
+        """The messages as the chat template takes them (:func:`template_messages`)."""
+        return template_messages(self.messages)
 
     def template_controls(self) -> dict[str, Any]:
         """Keyword arguments for ``Tokenizer.render_chat`` beyond the messages and tools."""

@@ -3,7 +3,8 @@
 ``/tokenize`` takes either ``prompt`` (text; ``add_special_tokens`` default true) or chat
 ``messages`` (rendered by the chat template with ``add_generation_prompt``,
 ``continue_final_message``, ``tools``, ``chat_template_kwargs``; ``add_special_tokens`` default
-false, the template writes them) and answers ``{"count", "max_model_len", "tokens",
+false, the template writes them; messages and tools are validated and rendered as a chat
+completion's are) and answers ``{"count", "max_model_len", "tokens",
 "token_strs"}``. ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``; ids outside the
 vocabulary are a 400 naming ``tokens``.
 """
@@ -16,9 +17,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from router.chat_tools import check_tools
 from router.errors import BadRequest
 from router.http.handlers import check_model
-from router.openai_protocol import ChatMessage
+from router.openai_protocol import ChatMessage, template_messages
 from router.readiness import check_ready
 from router.serving import Router
 
@@ -81,20 +83,12 @@ def add_utility_routes(
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
-            msgs = [
-                {
-                    "role": m.role,
-                    "content": m.text(i),
-                    **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
-                }
-                for i, m in enumerate(body.messages)
-            ]
             text = await router.prompts.render_chat(
-                msgs,
+                template_messages(body.messages),
                 param="messages",
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=body.tools,
+                tools=check_tools(body.tools) if body.tools else None,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
             special = bool(body.add_special_tokens)

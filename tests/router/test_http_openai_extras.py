@@ -133,11 +133,11 @@ async def test_chat_echo_prepends_the_assistant_message(tokenizer: Tokenizer) ->
             "response_format.json_schema",
         ),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function.name"),
         (
             "/v1/chat/completions",
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-            "tool_choice",
+            "tool_choice.function.name",
         ),
         (
             "/v1/chat/completions",
@@ -270,6 +270,31 @@ async def test_utility_endpoints(tokenizer: Tokenizer) -> None:
         m = await http.get("/v1/models/smollm2")
         assert m.json()["id"] == "smollm2" and m.json()["max_model_len"] == 512
         assert_openai_error(await http.get("/v1/models/gpt-4"), 404, "model")
+
+
+async def test_tokenize_renders_and_checks_messages_as_chat_does(tokenizer: Tokenizer) -> None:
+    """/tokenize counts the prompt a chat completion would send: the assistant's tool calls and
+    the tool's answer are rendered, and a malformed call or tool list is the same 400 naming the
+    field."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    msgs = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21"}]  # fmt: skip
+    async with client(tokenizer, "ok") as http:
+        r = await http.post("/tokenize", json={"messages": msgs, "tools": [WEATHER]})
+        text = tokenizer.decode(r.json()["tokens"], skip_special_tokens=False)
+        assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+        assert "<tool_response>\n21\n</tool_response>" in text
+        bad = [*msgs[:1], {**msgs[1], "tool_calls": [{**call, "function": {"name": 5}}]}]
+        err = assert_openai_error(
+            await http.post("/tokenize", json={"messages": bad}),
+            400,
+            "messages.1.tool_calls.0.function.name",
+        )
+        assert "'messages[1].tool_calls[0].function.name' must be a string" in err["message"]
+        dup = {"messages": ASK, "tools": [WEATHER, WEATHER]}
+        err = assert_openai_error(await http.post("/tokenize", json=dup), 400, "tools")
+        assert "get_weather" in err["message"] and "twice" in err["message"]
 
 
 # -- gRPC parity ------------------------------------------------------------------------------

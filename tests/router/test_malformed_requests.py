@@ -41,6 +41,30 @@ for _ in range(150):  # parameters nested past the JSON depth bound (well inside
     _node["properties"] = {"x": {}}
     _node = _node["properties"]["x"]
 LONG_STOP = "x" * (MAX_STOP_STRING_CHARS + 1)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+
+
+def call(**fields: Any) -> dict[str, Any]:
+    """A well-formed assistant tool call with ``fields`` of it (or of its ``function``) replaced
+    (None: removed)."""
+    out: dict[str, Any] = {"id": "call_1", "type": "function"}
+    fn: dict[str, Any] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    for key, value in fields.items():
+        target = fn if key in fn else out
+        target[key] = value
+        if value is None:
+            del target[key]
+    out["function"] = fn
+    return out
+
+
+def with_calls(calls: Any) -> dict[str, Any]:
+    """A chat request whose third message (index 2) is the assistant's with ``calls``."""
+    msgs = [*MSGS, {"role": "user", "content": "Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21"}]  # fmt: skip
+    return {"messages": msgs, "max_tokens": 4}
 
 
 @dataclass(frozen=True)
@@ -111,8 +135,41 @@ HTTP_ROWS = [
     Http("chat structured_outputs json nested too deeply", CHAT,
          chat(structured_outputs={"json": DEEP}), 400, "structured_outputs.json",
          "'structured_outputs.json' schema is not valid JSON: nested deeper"),
-    Http("chat tool parameters nested too deeply", CHAT, chat(tools=[DEEP_TOOL]), 400, "tools",
-         "nested deeper"),
+    Http("chat tool parameters nested too deeply", CHAT, chat(tools=[DEEP_TOOL]), 400,
+         "tools.0.function.parameters", "'tools[0].function.parameters' is nested deeper"),
+    Http("chat tools naming one function twice", CHAT, chat(tools=[WEATHER, TOOL_F, WEATHER]),
+         400, "tools", "'tools' defines function \"get_weather\" twice (tools[0] and tools[2])"),
+    Http("chat tool_choice.function.name a number", CHAT,
+         chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": 5}}), 400,
+         "tool_choice.function.name", "'tool_choice.function.name' must be a string"),
+    Http("chat tool_choice.type not function", CHAT,
+         chat(tools=[WEATHER], tool_choice={"type": "tool", "function": {"name": "get_weather"}}),
+         400, "tool_choice.type", "'tool_choice.type' must be 'function'"),
+    # an assistant message's tool_calls as OpenAI defines them: {id, type, function: {name,
+    # arguments}}, all strings, type "function"
+    Http("chat tool_calls not a list", CHAT, with_calls("get_weather"), 400,
+         "messages.2.tool_calls", "'messages.2.tool_calls'"),
+    Http("chat tool_call not an object", CHAT, with_calls([5]), 400, "messages.2.tool_calls.0"),
+    Http("chat tool_call without function", CHAT, with_calls([{"id": "c", "type": "function"}]),
+         400, "messages.2.tool_calls.0.function",
+         "'messages[2].tool_calls[0].function' must be an object"),
+    Http("chat tool_call name a number", CHAT, with_calls([call(name=5)]), 400,
+         "messages.2.tool_calls.0.function.name",
+         "'messages[2].tool_calls[0].function.name' must be a string (got number)"),
+    Http("chat tool_call name empty", CHAT, with_calls([call(name="")]), 400,
+         "messages.2.tool_calls.0.function.name", "must not be empty"),
+    Http("chat tool_call without arguments", CHAT, with_calls([call(arguments=None)]), 400,
+         "messages.2.tool_calls.0.function.arguments",
+         "'messages[2].tool_calls[0].function.arguments' must be a string (it is missing)"),
+    Http("chat tool_call arguments an object", CHAT, with_calls([call(arguments={"c": 1})]), 400,
+         "messages.2.tool_calls.0.function.arguments", "must be a string (got object)"),
+    Http("chat second tool_call of type tool", CHAT, with_calls([call(), call(type="tool")]), 400,
+         "messages.2.tool_calls.1.type",
+         "'messages[2].tool_calls[1].type' must be 'function' (got \"tool\")"),
+    Http("chat tool_call without type", CHAT, with_calls([call(type=None)]), 400,
+         "messages.2.tool_calls.0.type", "'messages[2].tool_calls[0].type' must be 'function'"),
+    Http("chat tool_call id a number", CHAT, with_calls([call(id=7)]), 400,
+         "messages.2.tool_calls.0.id", "'messages[2].tool_calls[0].id' must be a string"),
     Http("chat required tool with a bad schema", CHAT,
          chat(tools=[BAD_SCHEMA_TOOL], tool_choice="required"), 400, "tools", "cannot be compiled"),
     Http("chat response_format schema with no finite value", CHAT,
@@ -336,6 +393,16 @@ GRPC_ROWS = [
     Grpc("structured schema nested too deeply",
          gpb.GenerateRequest(text="hi", sampling=sampling(structured=cpb.StructuredOutput(
              kind="json_schema", value=DEEP, field="structured"))), BAD, "nested deeper"),
+    Grpc("tool_calls_json call without a name",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[
+             gpb.ChatMessage(role="user", content="hi"),
+             gpb.ChatMessage(role="assistant", tool_calls_json=json.dumps([call(name=None)]))])),
+         BAD, "'chat.messages[1].tool_calls_json[0].function.name' must be a string"),
+    Grpc("tools_json naming one function twice",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(
+             messages=[gpb.ChatMessage(role="user", content="hi")],
+             tools_json=json.dumps([TOOL_F, TOOL_F]))),
+         BAD, "'tools' defines function \"f\" twice"),
     Grpc("chat without messages", gpb.GenerateRequest(chat=gpb.ChatMessages()), BAD,
          "'chat.messages' must hold at least one message"),
     Grpc("allowed_token_ids only EOS with min_tokens",
