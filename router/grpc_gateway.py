@@ -45,6 +45,7 @@ from router.chat_tools import ToolSetup
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.grpc_chat import ChatInputs, chat_inputs
 from router.readiness import is_ready
+from router.request_id import check_request_id
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
     ) -> AsyncIterator[gpb.GenerateResponse]:
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         try:
+            check_request_id(rid)
             if request.model and request.model != self.router.model_name:
                 raise ModelNotFound(
                     f"the model '{request.model}' does not exist; this server serves "

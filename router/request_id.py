@@ -2,7 +2,11 @@
 
 A client may send its own ``x-request-id`` (1-128 characters of ``[A-Za-z0-9._:-]``, as proxies
 and tracing systems generate); the router then uses it unchanged. Otherwise, or when the header
-is malformed, the router makes one (``req-`` + 32 hex digits). The id is echoed in the response
+holds other characters (a proxy's id in another alphabet must not cost the request), the router
+makes one (``req-`` + 32 hex digits). A header over :data:`MAX_REQUEST_ID_CHARS` characters is
+refused with a 400 naming it and the limit: ids are kept in the request log and written to
+the logs, and no id generator makes one that long, so it is a client's mistake to report. The
+gRPC API's ``request_id`` must meet the same rule (:func:`check_request_id`). The id is echoed in the response
 header and made available to the serving code of the same request through a context variable
 (:func:`current_request_id`), so ``router/serving.py`` files the request's record under it. A
 client id is not unique (clients retry with it, or reuse it by mistake), so each HTTP request
@@ -17,8 +21,12 @@ import re
 import uuid
 from typing import Any
 
+from router.errors import BadRequest
+
 HEADER = "x-request-id"
-_VALID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_REQUEST_ID_CHARS = 128
+ALLOWED_CHARS = "A-Z a-z 0-9 . _ : -"  # as messages spell the class below
+_VALID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "pdserve_request_id", default=None
 )
@@ -42,6 +50,27 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def _too_long(field: str, length: int) -> BadRequest:
+    return BadRequest(
+        f"'{field}' is {length} characters long; at most {MAX_REQUEST_ID_CHARS} are allowed",
+        param=field,
+    )
+
+
+def check_request_id(rid: str, field: str = "request_id") -> None:
+    """Raise BadRequest naming ``field`` unless ``rid`` is 1-:data:`MAX_REQUEST_ID_CHARS`
+    characters of ``[A-Za-z0-9._:-]`` (the ``x-request-id`` rule; the request log's ``~``
+    suffixes rely on it)."""
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise _too_long(field, len(rid))
+    if not _VALID.fullmatch(rid):
+        raise BadRequest(
+            f"'{field}' may hold only the characters {ALLOWED_CHARS} (1 to "
+            f"{MAX_REQUEST_ID_CHARS} of them)",
+            param=field,
+        )
+
+
 class RequestIdMiddleware:
     """ASGI middleware: choose the request's id, expose it, add it to the response headers."""
 
@@ -62,6 +91,13 @@ class RequestIdMiddleware:
                 headers = [(k, v) for k, v in message.get("headers", ()) if k != HEADER.encode()]
                 message = {**message, "headers": [*headers, (HEADER.encode(), raw)]}
             await send(message)
+
+        if len(text) > MAX_REQUEST_ID_CHARS:  # answered with the id made for it
+            # NOTE: imported here: router.http imports this module (serving.py does too)
+            from router.http.body_limit import send_error
+
+            await send_error(send_with_id, _too_long(HEADER, len(text)))
+            return
 
         token = _current.set(rid)
         scope_token = _scope.set(object())

@@ -26,6 +26,7 @@ from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 from router.background import drain_background
 from router.grpc_gateway import GrpcGateway
 from router.http import build_app
+from router.request_id import MAX_REQUEST_ID_CHARS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -403,6 +404,14 @@ GRPC_ROWS = [
              messages=[gpb.ChatMessage(role="user", content="hi")],
              tools_json=json.dumps([TOOL_F, TOOL_F]))),
          BAD, "'tools' defines function \"f\" twice"),
+    Grpc("request_id over the limit",
+         gpb.GenerateRequest(text="hi", request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), BAD,
+         f"'request_id' is {MAX_REQUEST_ID_CHARS + 1} characters long; at most "
+         f"{MAX_REQUEST_ID_CHARS} are allowed"),
+    Grpc("request_id with a newline", gpb.GenerateRequest(text="hi", request_id="a\nb"), BAD,
+         "'request_id' may hold only the characters A-Z a-z 0-9 . _ : -"),
+    Grpc("request_id with the request log's suffix mark",
+         gpb.GenerateRequest(text="hi", request_id="r~2"), BAD, "'request_id' may hold only"),
     Grpc("chat without messages", gpb.GenerateRequest(chat=gpb.ChatMessages()), BAD,
          "'chat.messages' must hold at least one message"),
     Grpc("allowed_token_ids only EOS with min_tokens",

@@ -19,6 +19,7 @@ from pdserve.tokenizer import Tokenizer
 from router.background import drain_background
 from router.http import build_app
 from router.lifecycle import LifecycleConfig
+from router.request_id import MAX_REQUEST_ID_CHARS
 from router.serving import Router, RouterConfig
 
 pytestmark = pytest.mark.timeout(90)
@@ -217,6 +218,33 @@ async def test_requests_sharing_an_x_request_id_get_records_of_their_own(
         assert all(rec["request_id"] == "twin" and rec["status"] == "finished" for rec in recs)
         assert all(len(rec["sequences"]) == 1 for rec in recs)
         assert (await record(client, "twin"))["id"] == "twin~2"  # the plain id: the newest
+
+
+async def test_an_x_request_id_over_the_limit_is_a_400_naming_it(tokenizer: Tokenizer) -> None:
+    """An x-request-id of MAX_REQUEST_ID_CHARS is used as is; one character more is a 400 that
+    names the header and the limit (answered with an id of the router's), and nothing is
+    served or recorded for it."""
+    longest = "a" * MAX_REQUEST_ID_CHARS
+    async with served(tokenizer) as (c, _, client):
+        ok = await client.post(
+            "/v1/completions", json=completion([5, 6], 2), headers={"x-request-id": longest}
+        )
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == longest
+        too_long = {"x-request-id": longest + "b"}
+        for r in (
+            await client.post("/v1/completions", json=completion([5, 6], 2), headers=too_long),
+            await client.get("/health", headers=too_long),
+        ):
+            assert r.status_code == 400, r.text
+            assert r.headers["x-request-id"].startswith("req-")
+            err = r.json()["error"]
+            assert err["param"] == "x-request-id"
+            assert err["message"] == (
+                f"'x-request-id' is {MAX_REQUEST_ID_CHARS + 1} characters long; at most "
+                f"{MAX_REQUEST_ID_CHARS} are allowed"
+            )
+        assert (await status(client))["requests"]["total"] == 1
+        assert len(c.prefills[0].requests) == 1
 
 
 async def test_migrated_request_shows_the_migration_and_its_cause(tokenizer: Tokenizer) -> None:
