@@ -188,10 +188,11 @@ class WorkerActor(ABC, Generic[E]):
     async def set_faults(self, plan: dict[str, Any]) -> dict[str, Any]:
         """Arm this worker's fault injector with ``plan`` (a :class:`FaultPlan` as a dict);
         returns the plan now in force. Raises RuntimeError when fault injection is off,
-        ValueError for a bad plan."""
+        ValueError for a bad plan or one with a fault this worker's role never fires."""
         if self.faults is None:
             raise RuntimeError(f"worker {self.worker_id} runs without --enable-fault-injection")
         armed = FaultPlan.from_dict(plan)
+        armed.check_role(self.role)
         self.faults.set(armed)
         log.warning("worker %s: fault plan armed: %s", self.worker_id, armed.to_dict())
         return armed.to_dict()

@@ -40,11 +40,27 @@ log = logging.getLogger(__name__)
 
 
 class FaultPhase(str, enum.Enum):
-    """Named points where ``kill_at`` may strike."""
+    """Named points where ``kill_at`` may strike; each is reached by one worker role only
+    (:attr:`role`)."""
 
     PREFILL_QUEUED = "prefill_queued"  # prefill worker: requests are queued, none computed yet
     KV_SEND = "kv_send"  # prefill worker: a prompt's KV is gathered, about to be sent
     DECODE_RUNNING = "decode_running"  # decode worker: a step with running sequences begins
+
+    @property
+    def role(self) -> str:
+        """The worker role ('prefill' | 'decode') whose engine reaches this phase."""
+        return "decode" if self is FaultPhase.DECODE_RUNNING else "prefill"
+
+
+def phases_of(role: str) -> list[str]:
+    """The ``kill_at`` phases a worker of ``role`` reaches, by name."""
+    return [p.value for p in FaultPhase if p.role == role]
+
+
+# faults the KV sender applies: only prefill workers send KV (a decode worker prefilling
+# locally, in unified mode, sends nothing)
+_SENDER_FAULTS = ("stall_transfer_s", "corrupt_payload")
 
 
 class _Tensor(Protocol):
@@ -96,6 +112,23 @@ class FaultPlan:
     @property
     def is_empty(self) -> bool:
         return self == FaultPlan()
+
+    def check_role(self, role: str) -> None:
+        """Raise ValueError naming the fault when the plan holds one that a worker of ``role``
+        never fires: a ``kill_at`` phase of the other role (the message lists ``role``'s
+        phases), or a KV transfer fault on a decode worker."""
+        if self.kill_at is not None and self.kill_at.role != role:
+            raise ValueError(
+                f"kill_at {self.kill_at.value!r} is a {self.kill_at.role} worker's phase and "
+                f"never fires on a {role} worker; a {role} worker's phases are {phases_of(role)}"
+            )
+        if role != "prefill":
+            for name in _SENDER_FAULTS:
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{name} acts on KV sends, which only prefill workers make; it never "
+                        f"fires on a {role} worker"
+                    )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FaultPlan:

@@ -452,6 +452,10 @@ class RayCluster:
                 log.error("replacement %s worker failed to start: %s", role, e)
             return
 
+    def worker_role(self, worker_id: str) -> str:
+        """The role of ``worker_id`` (``/admin/faults``). Raises KeyError for an unknown one."""
+        return self._actors[worker_id].role
+
     async def set_faults(self, worker_id: str, plan: dict[str, Any]) -> dict[str, Any]:
         """Arm a fault plan on one worker (``/admin/faults``). Raises KeyError for an unknown
         worker; the actor's error (fault injection off, bad plan) otherwise."""

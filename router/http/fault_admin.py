@@ -4,7 +4,9 @@ Mounted only when the server runs with ``--enable-fault-injection`` (otherwise t
 exist: 404), behind the API key like the other ``/admin`` routes. The body names the worker and
 the plan, e.g. ``{"worker_id": "decode-0", "plan": {"kill_at": "decode_running"}}`` or
 ``{"worker_id": "prefill-0", "plan": {"stall_transfer_s": 5, "drop_aborts": 1}}``; an empty
-plan disarms. The answer is the plan now in force on that worker.
+plan disarms. The answer is the plan now in force on that worker. A plan holding a fault the
+worker's role never fires (``kill_at`` a phase of the other role, a KV transfer fault on a
+decode worker) is a 400 naming the phase or fault, the role and the role's phases.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from router.errors import BadRequest, RouterError
 
 class FaultControl(Protocol):
     """What ``/admin/faults`` needs from the cluster (router/cluster)."""
+
+    def worker_role(self, worker_id: str) -> str:
+        """The role ('prefill' | 'decode') of ``worker_id``; KeyError for an unknown worker."""
+        ...
 
     async def set_faults(self, worker_id: str, plan: dict[str, Any]) -> dict[str, Any]:
         """Arm ``plan`` on ``worker_id``; KeyError for an unknown worker."""
@@ -47,12 +53,16 @@ def fault_routes(control: FaultControl, dependencies: Sequence[Depends]) -> APIR
         except (TypeError, ValueError) as e:
             raise BadRequest(f"'plan': {e}", param="plan") from None
         try:
+            role = control.worker_role(body.worker_id)
+            plan.check_role(role)  # a fault the worker never reaches would arm silently
             armed = await control.set_faults(body.worker_id, plan.to_dict())
         except KeyError:
             raise BadRequest(
                 f"'worker_id': no worker {body.worker_id!r} (see GET /admin/workers)",
                 param="worker_id",
             ) from None
+        except ValueError as e:
+            raise BadRequest(f"'plan' for {body.worker_id}: {e}", param="plan") from None
         except Exception as e:  # the worker refused or died: report it, never a bare 500
             err = RouterError(f"worker {body.worker_id} did not arm the plan: {e}")
             err.status = 503
