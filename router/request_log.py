@@ -131,8 +131,13 @@ class SequenceTrace:
             "tokens": num_tokens,
             "blocks": blocks,
             "bytes": rec.bytes,
-            # payload bytes per full block: the payload is [layers, 2, tokens, kv_heads, head_dim]
-            "bytes_per_block": rec.bytes // num_tokens * self.block_size if num_tokens else 0,
+            # NOTE: the KV bytes one full block holds (block_size tokens), a constant of the
+            # model, not bytes / blocks: the payload [layers, 2, tokens, kv_heads, head_dim]
+            # carries the prompt's tokens only, so a partial last block sends less than a
+            # block's worth. None when nothing moved (a failed or dropped transfer).
+            "bytes_per_block": (
+                rec.bytes // num_tokens * self.block_size if num_tokens and rec.bytes else None
+            ),
             "ms": round(rec.ms, 3),
             "error": rec.error or None,
         }

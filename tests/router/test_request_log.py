@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.v1 import worker_pb2 as pb
 from router.request_log import RequestLog
 
 pytestmark = pytest.mark.timeout(30)
@@ -77,3 +78,21 @@ def test_requests_sharing_a_client_id_keep_records_of_their_own() -> None:
     log.close(c)  # the ring keeps 2: dup~4 and dup~3; "dup" and "dup~2" are gone
     assert log.get("chatcmpl-a") is None and log.get("chatcmpl-b") is None
     assert log.get("dup~3") is c
+
+
+def test_transfer_record_of_a_partial_last_block() -> None:
+    """``bytes_per_block`` is what one full KV block holds (block_size tokens), the same for
+    every transfer of a model; ``bytes`` is what moved, the prompt's tokens only, so a partial
+    last block makes it less than blocks x bytes_per_block. Nothing moved: null."""
+    per_token = 100  # KV bytes of one token (all layers, K and V)
+    rec = RequestLog().open("req-p", "cmpl-p", 0.0, prompt_tokens=33, n=1)
+    seq = rec.add_sequence("cmpl-p", 0, 33, 16)
+    ok = pb.TransferRecord(transfer_id=1, bytes=33 * per_token, ms=2.0, outcome="ok")
+    seq.prefill_done("prefill-0", pb.PrefillResponse(transfer=ok), 33)
+    failed = pb.TransferRecord(transfer_id=2, outcome="failed", error="channel closed")
+    seq.prefill_done("prefill-1", pb.PrefillResponse(transfer=failed), 33)
+    done, lost = seq.transfers
+    assert (done["tokens"], done["blocks"], done["bytes"]) == (33, 3, 3300)
+    assert done["bytes_per_block"] == 16 * per_token  # capacity, not 3300 / 3 = 1100
+    assert done["bytes"] == 2 * done["bytes_per_block"] + 1 * per_token
+    assert lost["bytes"] == 0 and lost["bytes_per_block"] is None and lost["outcome"] == "failed"
