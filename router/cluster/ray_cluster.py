@@ -464,8 +464,9 @@ class RayCluster:
         return armed
 
     def describe(self) -> list[dict[str, Any]]:
-        """One dict per actor: id, role, node address, addresses, state, health and restart
-        count (for /admin). ``state``: starting | ready | unhealthy | down | retiring."""
+        """One dict per actor: id, role, node address, addresses (null until it has started,
+        and ``kv_endpoint`` null for a prefill worker), state, health and restart count (for
+        /admin). ``state``: starting | ready | unhealthy | down | retiring."""
         out = []
         for a in self._actors.values():
             state = self.pool.get(a.worker_id)
@@ -478,13 +479,16 @@ class RayCluster:
                 status = "down"
             else:
                 status = "ready" if healthy else "unhealthy"
+            info = a.info
             out.append(
                 {
                     "worker_id": a.worker_id,
                     "role": a.role,
-                    "node_address": a.info.node_address if a.info else None,
-                    "grpc_address": a.info.grpc_address if a.info else None,
-                    "kv_endpoint": a.info.kv_endpoint if a.info else None,
+                    # an address the worker lacks (a prefill worker's KV endpoint) is null,
+                    # never '', as in /v1/cluster/status
+                    "node_address": (info.node_address or None) if info else None,
+                    "grpc_address": info.grpc_address if info else None,
+                    "kv_endpoint": (info.kv_endpoint or None) if info else None,
                     "num_blocks": a.info.num_blocks if a.info else None,
                     "pid": a.info.pid if a.info else None,
                     "resources": self.spec.resources(a.role),

@@ -27,6 +27,7 @@ from pdserve.tokenizer import Tokenizer
 from router.cluster import ClusterSpec, RayCluster, RegistryFollower
 from router.pool import WorkerPool
 from router.serving import Router, RouterConfig
+from router.status import _worker_view
 
 TIMEOUT_S = 180
 pytestmark = pytest.mark.timeout(TIMEOUT_S)
@@ -106,6 +107,11 @@ async def test_cluster_launch_restart_scale_and_follow(
         assert [w.worker_id for w in pool.workers("decode")] == ["decode-0"]
         assert [w.worker_id for w in pool.workers("prefill")] == ["prefill-0"]
         assert {d["worker_id"] for d in cluster.describe()} == {"decode-0", "prefill-0"}
+        # /admin/workers shows a prefill worker's missing KV endpoint as /v1/cluster/status does
+        rows = {d["worker_id"]: d for d in cluster.describe()}
+        for wid, kv in (("prefill-0", None), ("decode-0", "kv-decode-0")):
+            assert rows[wid]["kv_endpoint"] == kv, rows[wid]
+            assert _worker_view(pool.get(wid), None, None)["kv_endpoint"] == kv  # type: ignore[arg-type]
 
         # a second router process would follow the same registry
         follower_pool = WorkerPool()
