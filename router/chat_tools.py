@@ -135,6 +135,17 @@ class ToolSetup:
             return StructuredOutputSpec.json_schema(named_schema(tool), "tools")
         return None
 
+    def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
+        """A choice's OpenAI ``finish_reason``: ``tool_calls`` in place of ``stop`` when it made
+        calls, except under a named ``tool_choice``, which stays ``stop``. OpenAI's reference
+        only says "tool_calls if the model called a tool", but its API answers a forced named
+        function with ``stop`` (``auto`` and ``required`` with ``tool_calls``), streamed or
+        not, and vLLM matches it (vllm-project/vllm PR 25054). ``length`` and the others pass
+        through: a call cut short is not a finished call."""
+        if reason == "stop" and made_calls and self.mode != "named":
+            return "tool_calls"
+        return reason
+
     def check_visible(self, template_renders_tools: bool) -> None:
         """Refuse ``auto`` when the chat template does not show the model its tools: the model
         would answer as if it had none, and nothing would tell the client. vLLM likewise refuses

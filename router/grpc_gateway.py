@@ -166,8 +166,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 full = parsed.content or ""
                 calls = [gpb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                          for c in parsed.tool_calls]  # fmt: skip
-                if calls and reason == "stop":
-                    reason = "tool_calls"
+                reason = chat.tools.finish_reason(reason, bool(calls))
             yield gpb.GenerateResponse(
                 request_id=rid,
                 complete=gpb.Complete(

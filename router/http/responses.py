@@ -3,8 +3,9 @@
 Shapes follow the OpenAI API reference. Chat logprobs are ``{"content": [{"token", "logprob",
 "bytes", "top_logprobs"}]}``; completion logprobs are ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}``. A chat choice with tools carries ``message.tool_calls`` (or,
-streamed, ``delta.tool_calls`` once a call is complete) and ``finish_reason: "tool_calls"``
-instead of ``"stop"``, as OpenAI's. Bodies are plain dicts (no pydantic round trip on the hot
+streamed, ``delta.tool_calls`` as the call is generated) and ``finish_reason: "tool_calls"``
+instead of ``"stop"``, as OpenAI's, except under a named ``tool_choice`` (``"stop"``, as OpenAI
+answers; :meth:`router.chat_tools.ToolSetup.finish_reason`). Bodies are plain dicts (no pydantic round trip on the hot
 path: one chunk per streamed token).
 """
 
@@ -123,10 +124,10 @@ def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, An
 
 
 def _finish_reason(splitter: ToolStream | None, reason: str | None) -> str | None:
-    """``tool_calls`` instead of ``stop`` when the choice made calls."""
-    if reason == "stop" and splitter is not None and splitter.num_calls:
-        return "tool_calls"
-    return reason
+    """The streamed choice's finish_reason (:meth:`ToolSetup.finish_reason`)."""
+    if splitter is None:
+        return reason
+    return splitter.setup.finish_reason(reason, splitter.num_calls > 0)
 
 
 def chat_message(
@@ -139,9 +140,7 @@ def chat_message(
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-        if finish == "stop":
-            finish = "tool_calls"
-    return message, finish
+    return message, tools.finish_reason(finish, bool(parsed.tool_calls))
 
 
 def completion_chunk_choice(

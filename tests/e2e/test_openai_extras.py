@@ -327,6 +327,7 @@ def test_tool_choice_required_streamed_and_not(client: openai.OpenAI) -> None:
     named = client.chat.completions.create(
         **{**kw, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     )
+    assert named.choices[0].finish_reason == "stop"  # as OpenAI answers a forced named function
     jsonschema.validate(
         json.loads(named.choices[0].message.tool_calls[0].function.arguments),  # type: ignore[index]
         WEATHER["function"]["parameters"],

@@ -372,13 +372,15 @@ async def test_grpc_tools_structured_and_chat_controls(tokenizer: Tokenizer) -> 
 
 async def test_a_named_tool_call_streams_its_arguments(tokenizer: Tokenizer) -> None:
     """tool_choice naming a function: the call's arguments stream as they are generated (id,
-    type and name in the first entry, as OpenAI and vLLM send them), and no chunk is empty."""
+    type and name in the first entry, as OpenAI and vLLM send them), and no chunk is empty.
+    finish_reason is "stop", streamed or not, as OpenAI answers a forced named function (and
+    vLLM since its PR 25054); "required" and "auto" calls finish with "tool_calls"."""
     args = '{"city": "Paris", "unit": "celsius"}'
     async with client(tokenizer, args) as http:
         named = {"type": "function", "function": {"name": "get_weather"}}
         body = {"messages": ASK, "tools": [WEATHER], "tool_choice": named, "max_tokens": 64}
         whole = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
-        assert whole["finish_reason"] == "tool_calls"
+        assert whole["finish_reason"] == "stop"
         assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == (
             json.loads(args)
         )
@@ -394,5 +396,40 @@ async def test_a_named_tool_call_streams_its_arguments(tokenizer: Tokenizer) -> 
                    for tc in rest)  # fmt: skip
         assert "".join(tc["function"]["arguments"] for tc in calls) == args
         assert all(c["delta"] or c["finish_reason"] for c in choices)  # no empty chunk
-        assert choices[-1]["finish_reason"] == "tool_calls"
+        assert choices[-1]["finish_reason"] == "stop"
         assert not any(c["delta"].get("content") for c in choices)
+        # cut by max_tokens it is still "length"
+        short = (await http.post("/v1/chat/completions", json={**body, "max_tokens": 3})).json()
+        assert short["choices"][0]["finish_reason"] == "length"
+
+
+async def test_grpc_finish_reason_of_a_named_and_a_required_call(tokenizer: Tokenizer) -> None:
+    """The gRPC API answers as the HTTP one: "stop" for a named tool_choice, "tool_calls" for
+    "required" (whose output is a JSON array of calls)."""
+    args = '{"city": "Paris"}'
+    for choice, answer, reason in (
+        ({"type": "function", "function": {"name": "get_weather"}}, args, "stop"),
+        ("required", f'[{{"name": "get_weather", "arguments": {args}}}]', "tool_calls"),
+    ):
+        script = tokenizer.encode(answer, add_special_tokens=False) + [EOS]
+        c = await start_fake_cluster(prefills=[{"script": script}], decodes=[{"script": script}])
+        cfg = RouterConfig(model_name="smollm2", max_model_len=512, chat_template=TEMPLATE)
+        gw = GrpcGateway(Router(cfg, tokenizer, c.pool), host="127.0.0.1", port=0)
+        await gw.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+                chat = gpb.ChatMessages(
+                    messages=[gpb.ChatMessage(role="user", content="Weather in Paris?")],
+                    tools_json=json.dumps([WEATHER]),
+                    tool_choice_json=json.dumps(choice),
+                )
+                req = gpb.GenerateRequest(chat=chat, sampling=wpb.SamplingParams(max_tokens=64))
+                out = [r async for r in gpb_grpc.GenerationStub(channel).Generate(req)]
+            done = out[-1].complete
+            assert done.finish_reason == reason, choice
+            assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [
+                ("get_weather", {"city": "Paris"})
+            ]
+        finally:
+            await gw.stop(0)
+            await c.close()
