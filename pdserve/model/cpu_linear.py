@@ -22,7 +22,8 @@ fp32, the 30 layers' four linears plus the LM head at 16 rows, measured on an AM
 thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneDNN is faster, 467
 against 597 ms, so larger calls stay with oneDNN; on an AVX2-only Zen 1 EPYC, where 16 rows are
 bound by the FMA rate rather than DRAM, 137.5 against 182.3 ms, and still 1.10x at 32 rows; bf16
-in docs/benchmarks.md). The panels are a second copy of the weight:
+in docs/benchmarks.md). Without AVX-512F the kernel runs fp32 calls of any size
+(:func:`skinny_runs_large`: on a Zen 3 EPYC 1.19x oneDNN at 256 rows). The panels are a second copy of the weight:
 the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32 where
 the weights are not GGUF codes, see below, ~270 MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns
 the kernel off). Results differ from oneDNN's by
@@ -156,13 +157,13 @@ def _packed_linear(
     ):
         rows = x.numel() // max(1, x.shape[-1])
         lo, hi = skinny_rows(x.dtype)
-        fn = _format_kernel(panels_format(skinny_weight))[0]
-        if lo <= rows <= hi and fn is not None:
-            return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
         if rows > hi and _sharing.on:
             y = _shared_run(x, skinny_weight, packed_weight.shape[0], bias)
             if y is not None:
                 return y
+        fn = _format_kernel(panels_format(skinny_weight))[0]
+        if fn is not None and lo <= rows and (rows <= hi or skinny_runs_large(x.dtype)):
+            return _skinny_run(fn, x, skinny_weight, packed_weight.shape[0], bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return out
 
@@ -271,6 +272,17 @@ def skinny_rows(dtype: torch.dtype) -> tuple[int, int]:
     if dtype == torch.bfloat16 and has_amx_bf16():
         return SKINNY_ROWS_AMX_TILES if skinny_amx() else SKINNY_ROWS_AMX_BF16
     return SKINNY_ROWS[dtype]
+
+
+def skinny_runs_large(dtype: torch.dtype) -> bool:
+    """Whether a :class:`PackedLinear` of ``dtype`` with panels also runs calls of more rows than
+    :func:`skinny_rows` (a prefill's, a large decode batch's) with the skinny kernel here rather
+    than oneDNN: fp32 on a CPU without AVX-512F, where the kernel's AVX2 blocks keep up with or
+    beat oneDNN's fp32 GEMM at every row count measured (bench/skinny_gemm.py --gguf-codes,
+    SmolLM2-135M's 30 layers and LM head, one thread: Zen 3 EPYC 1.25x at 64 rows, 1.19x at 256,
+    1.17x at 1024; Zen 1 EPYC even at 256, 1980 against 1989 ms; docs/benchmarks.md). With
+    AVX-512 oneDNN is the faster one there (0.78x at 256 rows on the AMX Xeon)."""
+    return dtype == torch.float32 and "avx512f" not in cpu_flags()
 
 
 @functools.cache
@@ -641,8 +653,7 @@ def prefill_helper_setting(dtype: torch.dtype) -> int | None:
     ):
         return None
     if setting is None:
-        fits = dtype == torch.float32 and "avx512f" not in cpu_flags()
-        return DEFAULT_PREFILL_HELPER if fits else None
+        return DEFAULT_PREFILL_HELPER if skinny_runs_large(dtype) else None
     return -1 if setting == "idle" else int(setting)
 
 

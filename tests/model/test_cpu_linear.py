@@ -322,9 +322,37 @@ def test_skinny_linear_rejects_what_does_not_fit() -> None:
     # the layer never hands the kernel an input of the wrong width (oneDNN refuses it instead)
     with pytest.raises(RuntimeError):
         PackedLinear(w, None)(torch.randn(3, 25))
-    # past SKINNY_MAX_ROWS the layer hands the call to oneDNN, with the same result
+    # past SKINNY_MAX_ROWS (oneDNN, or the kernel where skinny_runs_large): the same result
     big = torch.randn(SKINNY_MAX_ROWS + 1, 24)
     torch.testing.assert_close(PackedLinear(w, None)(big), big @ w.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not has_skinny, reason=f"skinny kernel unavailable: {skinny_reason()}")
+@pytest.mark.parametrize("avx512", [True, False])
+def test_fp32_calls_past_the_skinny_rows_keep_the_kernel_only_without_avx512(
+    avx512: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without AVX-512F the kernel's AVX2 blocks beat oneDNN's fp32 GEMM at every row count
+    # measured (docs/benchmarks.md); with it oneDNN wins past SKINNY_MAX_ROWS
+    flags = cpu_linear.cpu_flags() - {"avx512f"} | ({"avx512f"} if avx512 else set())
+    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
+    assert cpu_linear.skinny_runs_large(torch.float32) is not avx512
+    assert not cpu_linear.skinny_runs_large(torch.bfloat16)
+    calls: list[int] = []
+    real = cpu_linear._skinny_run
+
+    def spy(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(fn, x, *args)
+
+    monkeypatch.setattr(cpu_linear, "_skinny_run", spy)
+    w = torch.randn(40, 24)
+    layer = PackedLinear(w, None, skinny=True)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(layer(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    big = [] if avx512 else [SKINNY_MAX_ROWS + 1, 300]
+    assert calls == [1, SKINNY_MAX_ROWS, *big]
 
 
 @needs_onednn
