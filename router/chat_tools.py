@@ -135,7 +135,7 @@ class ToolSetup:
             return StructuredOutputSpec.json_schema(named_schema(tool), "tools")
         return None
 
-    def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
+    def finish_reason(self, reason: str, made_calls: bool) -> str:
         """A choice's OpenAI ``finish_reason``: ``tool_calls`` in place of ``stop`` when it made
         calls, except under a named ``tool_choice``, which stays ``stop``. OpenAI's reference
         only says "tool_calls if the model called a tool", but its API answers a forced named

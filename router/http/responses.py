@@ -125,7 +125,7 @@ def _tool_delta(splitter: ToolStream | None, delta: ChoiceDelta) -> dict[str, An
 
 def _finish_reason(splitter: ToolStream | None, reason: str | None) -> str | None:
     """The streamed choice's finish_reason (:meth:`ToolSetup.finish_reason`)."""
-    if splitter is None:
+    if splitter is None or reason is None:
         return reason
     return splitter.setup.finish_reason(reason, splitter.num_calls > 0)
 
@@ -140,6 +140,8 @@ def chat_message(
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+    if finish is None:
+        return message, finish
     return message, tools.finish_reason(finish, bool(parsed.tool_calls))
 
 
