@@ -265,7 +265,12 @@ class RayCluster:
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_forever())
 
     async def stop(self) -> None:
-        """Stop health checks and every actor (best effort, never raises)."""
+        """Stop health checks and every actor (best effort, never raises).
+
+        An orderly shutdown, logged once at info: each worker leaves the pool (and the registry
+        other routers follow) before it is stopped, so nothing reports the workers going away
+        as failures ('marked unhealthy').
+        """
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -274,6 +279,14 @@ class RayCluster:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._actors:
+            ids = sorted(self._actors)
+            log.info("stopping %d workers (orderly shutdown): %s", len(ids), ", ".join(ids))
+        for a in self._actors.values():
+            self.pool.remove(a.worker_id)
+            if self._registry is not None:
+                with contextlib.suppress(Exception):
+                    await self._registry.remove.remote(a.worker_id)
         for a in list(self._actors.values()):
             await self._kill(a, graceful=True)
         self._actors.clear()

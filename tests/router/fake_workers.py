@@ -413,6 +413,17 @@ class FakeWorkerActor:
         os._exit(1)
 
 
+class SlowStopWorkerActor(FakeWorkerActor):
+    """A FakeWorkerActor whose ``stop()`` returns ``STOP_S`` seconds after its server stopped,
+    as a real worker's does (its in-flight calls get a grace period, then the engine stops)."""
+
+    STOP_S = 0.5
+
+    async def stop(self) -> None:
+        await super().stop()
+        await asyncio.sleep(self.STOP_S)
+
+
 class SlowStartWorkerActor(FakeWorkerActor):
     """A FakeWorkerActor whose ``start()`` takes ``START_S`` seconds, as loading a model does, and
     answers pings meanwhile (it is an async actor); ``num_starts()`` counts the start calls."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from fake_workers import (
     LoadingForeverWorkerActor,
     SlowerStartWorkerActor,
     SlowStartWorkerActor,
+    SlowStopWorkerActor,
 )
 
 from pdserve.config import EngineConfig
@@ -342,6 +344,33 @@ async def test_a_retired_worker_stops_once_its_requests_drained(local_ray: str) 
         # prefill-1 never drains: stopped at drain_timeout_s, its request is re-placed
         await wait_for(lambda: "prefill-1" not in actors(), timeout_s=15.0)
         assert time.monotonic() - t0 >= 4.0 and pool.inflight("prefill-1") == 1
+    finally:
+        await cluster.stop()
+        await pool.close()
+
+
+async def test_an_orderly_stop_logs_once_and_marks_no_worker_unhealthy(
+    local_ray: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`pdserve serve` stopping (SIGTERM) stops its workers on purpose: while they go, the
+    pool's poller must not report them as failed ('marked unhealthy' warnings); the stop is
+    logged once, at info."""
+    pool = WorkerPool(stats_interval_s=0.05)  # polls many times while the workers stop
+    classes = {"prefill": SlowStopWorkerActor, "decode": SlowStopWorkerActor}
+    cluster = RayCluster(spec(), pool, actor_classes=classes, progress=lambda _line: None)
+    await cluster.start()
+    pool.start()
+    try:
+        await wait_for(lambda: all(w.stats is not None for w in pool))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            await cluster.stop()
+            await asyncio.sleep(0.3)  # polls that would have found the workers gone
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == [], [r.getMessage() for r in warnings]
+        stops = [r.getMessage() for r in caplog.records if "orderly shutdown" in r.getMessage()]
+        assert stops == ["stopping 2 workers (orderly shutdown): decode-0, prefill-0"]
+        assert list(pool) == []  # they left the pool before they stopped
     finally:
         await cluster.stop()
         await pool.close()
