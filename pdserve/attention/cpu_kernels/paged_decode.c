@@ -615,6 +615,11 @@ static void tile_phase(int phase, int G, int dtype, int D, const char *kvp, int6
 ALWAYS_INLINE float hmax(vf v) {
 #if VW == 16
     return _mm512_reduce_max_ps((__m512)v);
+#elif VW == 8
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
 #else
     float x = v[0];
     for (int i = 1; i < VW; i++) x = v[i] > x ? v[i] : x;
@@ -1173,8 +1178,18 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
  * 280-token prompt, one thread, AMX Xeon: 1.65 vs 1.82 ms a layer, bit-equal; and tiles of 64
  * keys instead of 16 (one online-softmax update per 64 keys), four query vectors at a time:
  * 1.35-1.43 vs 1.50-1.62 ms (256 after 256 cached: 2.95-3.01 vs 3.40-3.51), outputs within
- * rounding of the 16-key tiles' (2.4e-7 at most in bench/prefill_attention.py's cases). Narrower
- * vectors keep 16-key tiles (their 16 registers hold no more accumulators). Session 20.
+ * rounding of the 16-key tiles' (2.4e-7 at most in bench/prefill_attention.py's cases). Session 20.
+ *
+ * With 8-float vectors (AVX2) the tiles are 64 keys too, K^T built 8 x 8 floats at a time
+ * (transpose8), the scores of four query vectors computed 16 keys at a time (PF_SUBV: the 16 AVX
+ * registers hold no more accumulators) and only up to the last key a row of the block sees; the
+ * weighted sum of V runs two query vectors at once (pv_tile2), and a work item holds 32 query
+ * rows. Each K^T and V load there is held in a register for all its multiply-adds: folded into
+ * each one, the loads outnumbered the multiply-adds the core issued beside them. fp32, one
+ * thread, Zen 3 EPYC (AVX2 only), SmolLM2 shapes, alternated in one process against the
+ * 16-key tiles with a scalar transpose: 1500-token prompt 45.1 vs 88.6 ms a layer, 256 after
+ * 256 cached 3.9 vs 7.2 ms (each step: 64-key tiles and transpose8 1.40x at 1500 tokens, 32
+ * rows 1.04x, loads held 1.16x, pv_tile2 1.18x); docs/benchmarks.md, session 40.
  *
  * With head_dim 64 and 16-float vectors the weighted sum of V runs for four query vectors at
  * once (pv_tile4_d64; in prefill_item_dp the same for its VDPBF16PS pairs): each V vector loaded
@@ -1190,12 +1205,13 @@ int pd_write_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int
  * path (session 15, bench/prefill_attention.py) against the fp32 one: docs/benchmarks.md.
  */
 
-#define PQ 16                 /* query rows per work item */
-#define PK (VW == 16 ? 64 : 16) /* keys per tile (a multiple of 16) */
+#define PQ (VW == 8 ? 32 : 16) /* query rows per work item */
+#define PK (VW >= 8 ? 64 : 16) /* keys per tile (a multiple of 16) */
 #define PKV (PK / VW)         /* vectors per tile row of scores */
 #define PF_MAX_D 128          /* largest head_dim */
 #define PF_MAX_NQ (8 * PQ)    /* largest G x PQ (G <= 8) */
 #define PF_QB 4 /* query vectors scored together (independent chains) */
+#define PF_SUBV (VW == 8 ? 2 : PKV) /* score vectors a query keeps in registers at once */
 
 typedef struct {
     int64_t span, kvh, t0;
@@ -1243,6 +1259,57 @@ ALWAYS_INLINE void pv_tile4_d64(float *const a[PF_QB], const float alpha[PF_QB],
 }
 #endif
 
+#if VW == 8
+/* Transposes the 8 x 8 floats of r in place (r[i][j] <-> r[j][i]): pairs of rows interleaved,
+ * then quads within each 128-bit lane, then the 128-bit lanes swapped across row halves. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) { /* u[g + k], 128-bit lane L: column 4L + k of rows g..g+3 */
+        u[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+        u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xee);
+        u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+#endif
+
+#if VW == 8 && defined(__FMA__)
+/* pv_tile for two query vectors at once: a0, a1 [D] += sum over the tile's first `see` keys of
+ * p0[j] * V[j], p1[j] * V[j] (p zero past each query's own keys), 32 values of head_dim at a
+ * time, so each V vector loaded feeds two multiply-adds (8 accumulators, 4 V vectors held). */
+ALWAYS_INLINE void pv_tile2(float *a0, float *a1, const float *p0, const float *p1,
+                            const float *V, int see, const int D) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        __m256 o0[4], o1[4];
+        for (int x = 0; x < 4; x++) {
+            o0[x] = _mm256_loadu_ps(a0 + d0 + 8 * x);
+            o1[x] = _mm256_loadu_ps(a1 + d0 + 8 * x);
+        }
+        for (int jj = 0; jj < see; jj++) {
+            const __m256 w0 = _mm256_broadcast_ss(p0 + jj), w1 = _mm256_broadcast_ss(p1 + jj);
+            for (int x = 0; x < 4; x++) {
+                __m256 vv = _mm256_loadu_ps(V + jj * D + d0 + 8 * x);
+                __asm__("" : "+x"(vv)); /* loaded once for both (else folded into each) */
+                o0[x] = _mm256_fmadd_ps(w0, vv, o0[x]);
+                o1[x] = _mm256_fmadd_ps(w1, vv, o1[x]);
+            }
+        }
+        for (int x = 0; x < 4; x++) {
+            _mm256_storeu_ps(a0 + d0 + 8 * x, o0[x]);
+            _mm256_storeu_ps(a1 + d0 + 8 * x, o1[x]);
+        }
+    }
+}
+#endif
+
 /* One work item: query rows [t0, t0 + nr) of a chunk whose first row sits at position `first`
  * (tokens already in the pool before it), KV head kvh. */
 static void prefill_item(const Cache *c, int G, int D, const int32_t *table, const char *q,
@@ -1286,6 +1353,26 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                 transpose16(r);
                 for (int e = 0; e < VW; e++) _mm512_store_ps(Kt + (d + e) * PK + j1, r[e]);
             }
+#elif VW == 8
+        /* K^T 8 keys x 8 dims at a time (transpose8), V rows as they are */
+        for (int j1 = 0; j1 < PK; j1 += 8) {
+            int64_t offs[8];
+            for (int x = 0; x < 8; x++)
+                offs[x] = j1 + x < nk ? row_offset(c, table, j0 + j1 + x) / kes + (int64_t)kvh * D
+                                      : -1;
+            for (int d = 0; d < D; d += 8) {
+                __m256 r[8];
+                for (int x = 0; x < 8; x++) {
+                    const int64_t o = offs[x];
+                    const vf kx = o >= 0 ? load_vec(c->k + (o + d) * kes, c->kv_dtype) : (vf){0};
+                    const vf vx = o >= 0 ? load_vec(c->v + (o + d) * kes, c->kv_dtype) : (vf){0};
+                    r[x] = (__m256)kx;
+                    memcpy(V + (j1 + x) * D + d, &vx, sizeof vx);
+                }
+                transpose8(r);
+                for (int e = 0; e < 8; e++) _mm256_store_ps(Kt + (d + e) * PK + j1, r[e]);
+            }
+        }
 #else
         for (int jj = 0; jj < PK; jj++) {
             if (jj < nk) {
@@ -1311,12 +1398,27 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                 qrow[b] = Q + (i0 + (b < nb ? b : 0)) * D; /* rows past nb repeat row 0 */
                 for (int kv = 0; kv < PKV; kv++) s[b][kv] = (vf){0};
             }
-            for (int d = 0; d < D; d++)
-                for (int kv = 0; kv < PKV; kv++) {
-                    vf kt;
-                    memcpy(&kt, Kt + d * PK + kv * VW, sizeof kt);
-                    for (int b = 0; b < PF_QB; b++) s[b][kv] += qrow[b][d] * kt;
-                }
+            /* PF_SUBV score vectors a query at a time (those of keys no row here sees stay 0) */
+            const int64_t reach = pos[i0 + nb - 1] - j0 + 1; /* the keys the last row sees */
+            for (int kv0 = 0; kv0 < PKV; kv0 += PF_SUBV) {
+                if (kv0 * VW >= nk || kv0 * VW >= reach) break;
+                vf a[PF_QB][PF_SUBV];
+                for (int b = 0; b < PF_QB; b++)
+                    for (int kv = 0; kv < PF_SUBV; kv++) a[b][kv] = (vf){0};
+                for (int d = 0; d < D; d++)
+                    for (int kv = 0; kv < PF_SUBV; kv++) {
+                        vf kt;
+                        memcpy(&kt, Kt + d * PK + (kv0 + kv) * VW, sizeof kt);
+#if VW == 8
+                        /* one load for the PF_QB multiply-adds: folded into each, the loads
+                         * would outnumber what the core issues beside them */
+                        __asm__("" : "+x"(kt));
+#endif
+                        for (int b = 0; b < PF_QB; b++) a[b][kv] += qrow[b][d] * kt;
+                    }
+                for (int b = 0; b < PF_QB; b++)
+                    for (int kv = 0; kv < PF_SUBV; kv++) s[b][kv0 + kv] = a[b][kv];
+            }
             /* each query vector's online-softmax update for this tile first (its weights in
              * pb[b], zero past its own keys; alb[b] rescales its accumulator; seeb[b] its keys
              * here, 0 for rows past nb or masked out of the whole tile), then the weighted sums */
@@ -1370,6 +1472,20 @@ static void prefill_item(const Cache *c, int G, int D, const int32_t *table, con
                 float *a = acc + (i0 + b) * D;
                 if (alb[b] != 1.0f)
                     for (int d = 0; d < D; d++) a[d] *= alb[b];
+#if VW == 8 && defined(__FMA__)
+                if (D % 32 == 0 && b + 1 < nb && seeb[b + 1]) { /* this query and the next */
+                    float *a1 = acc + (i0 + b + 1) * D;
+                    if (alb[b + 1] != 1.0f)
+                        for (int d = 0; d < D; d++) a1[d] *= alb[b + 1];
+                    const int see = seeb[b] > seeb[b + 1] ? seeb[b] : seeb[b + 1];
+                    if (D == 64)
+                        pv_tile2(a, a1, pb[b], pb[b + 1], V, see, 64);
+                    else
+                        pv_tile2(a, a1, pb[b], pb[b + 1], V, see, D);
+                    b++;
+                    continue;
+                }
+#endif
                 if (D == 64)
                     pv_tile(a, pb[b], V, seeb[b], 64);
                 else
