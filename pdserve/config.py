@@ -475,8 +475,15 @@ class ServeConfig:
     # default is chosen by default_local_prefill_length (on for CPU decode workers).
     max_local_prefill_length: int = 0
     min_prefill_queue_tokens: int = 256
+    # seconds a stopping router (SIGTERM / Ctrl-C) lets requests in flight finish before it ends
+    # the rest with a 503 'shutting down' (--drain-timeout); 0 = end them at once
+    drain_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.drain_timeout_s < float("inf"):
+            raise ConfigError(
+                f"--drain-timeout must be a number of seconds >= 0, got {self.drain_timeout_s}"
+            )
         if self.max_local_prefill_length < 0:
             raise ConfigError("--max-local-prefill-length must be >= 0 (0 turns it off)")
         if self.min_prefill_queue_tokens < 0:

@@ -116,6 +116,16 @@ class NoWorkers(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class ShuttingDown(RouterError):
+    """503: the router is stopping (SIGTERM / Ctrl-C); a request in flight was ended, or a new
+    one refused. Another router, or this one once restarted, can take it."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "server_shutting_down"
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
 class RequestTimeout(RouterError):
     """504: the request's deadline (``--request-timeout``) passed before it finished."""
 

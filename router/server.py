@@ -40,6 +40,7 @@ class FrontendConfig:
     enable_fault_injection: bool = False  # mounts /admin/faults over the cluster controller
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS  # open SSE responses
     max_header_bytes: int = MAX_HEADER_BYTES  # request target + headers (431; h11: 400)
+    drain_timeout_s: float = ServeConfig.drain_timeout_s  # let requests in flight finish (s)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -88,6 +89,7 @@ class Frontend:
             router, host=config.host, port=config.grpc_port, api_key=config.api_key
         )
         self.stopping = asyncio.Event()
+        self.stop_now = asyncio.Event()  # a second signal: end the drain
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.http_port = config.port
@@ -128,7 +130,11 @@ class Frontend:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stopping.set)
+                loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        """The first signal starts the stop; a second one ends a drain at once."""
+        (self.stop_now if self.stopping.is_set() else self.stopping).set()
 
     def release_signals(self) -> None:
         """Give SIGINT/SIGTERM back to Python (call last: a signal during shutdown is ignored)."""
@@ -138,7 +144,20 @@ class Frontend:
                 loop.remove_signal_handler(sig)
 
     async def stop(self) -> None:
-        """Stop both gateways (in-flight requests get a short grace period)."""
+        """Stop both gateways, promptly. New requests get a 503 'shutting down' and /health
+        (and gRPC health) turn unready at once; requests in flight may finish for
+        ``drain_timeout_s`` (a second signal cuts it short); then the rest are ended with the
+        same 503 (an SSE error event then ``[DONE]``, an error response, a gRPC GenerateError)
+        and aborted on their workers (:meth:`Router.shut_down`), so the servers have nothing
+        left to wait for. Their own grace periods (uvicorn's 3 s, gRPC's 1 s) only bound a
+        request still being read or prepared. Idempotent."""
+        self.router.stop_admitting()
+        with contextlib.suppress(Exception):
+            await self.grpc.health.enter_graceful_shutdown()
+        await self._drain()
+        ended = self.router.shut_down()
+        if ended:
+            log.info("shutting down: ended %d request(s) in flight", ended)
         await self.app.state.monitor.stop()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
@@ -146,6 +165,26 @@ class Frontend:
                 await asyncio.wait_for(self._http_task, 10)
         with contextlib.suppress(Exception):
             await self.grpc.stop(1.0)
+
+    async def _drain(self) -> None:
+        """Wait up to ``drain_timeout_s`` for the requests in flight to finish (or a second
+        signal)."""
+        timeout_s = self.config.drain_timeout_s
+        if timeout_s <= 0 or not self.router.num_open:
+            return
+        log.info(
+            "shutting down: letting %d request(s) in flight finish for up to %.0f s (signal "
+            "again to end them now)",
+            self.router.num_open,
+            timeout_s,
+        )
+        end = asyncio.get_running_loop().time() + timeout_s
+        while self.router.num_open and not self.stop_now.is_set():
+            left = end - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_now.wait(), min(left, 0.05))
 
     def urls(self) -> dict[str, str]:
         """Where clients connect (``localhost`` for a wildcard host)."""

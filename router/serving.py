@@ -37,7 +37,7 @@ from pdserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingError, SamplingP
 from pdserve.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from pdserve.types import SampledToken
 from router.admission import AdmissionController, Ticket, resolve_max_tokens
-from router.errors import BadRequest, Overloaded, RouterError, WorkerFailure
+from router.errors import BadRequest, Overloaded, RouterError, ShuttingDown, WorkerFailure
 from router.lifecycle import LifecycleConfig, RequestLifecycle, RequestState
 from router.policy import PrefillPolicy
 from router.pool import WorkerPool
@@ -139,6 +139,8 @@ class RequestStream:
         self._finished = 0
         self._first_tokens = 0
         self._closed = False
+        self._ended_by: RouterError | None = None  # set by cancel(): the server ended it
+        router._open.add(self)
         metrics.REQUESTS_WAITING.inc()
         metrics.REQUESTS_RUNNING.inc()
         router.stats.request_admitted(len(prompt_token_ids))
@@ -180,7 +182,7 @@ class RequestStream:
         # (end, error, a failure to start, the consumer's cancellation) closes the stream, which
         # returns the admission ticket and the running/waiting gauges exactly once.
         try:
-            if not self._tasks and not self._closed:
+            if not self._tasks and not self._closed and self._ended_by is None:
                 self._start()
             if self.done or self._closed:
                 raise StopAsyncIteration
@@ -223,13 +225,28 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self.router._open.discard(self)
         self._release_ticket()
         metrics.REQUESTS_RUNNING.dec()
-        client_left = not self.done and any(not t.done() for t in self._tasks)
+        client_left = (
+            self._ended_by is None and not self.done and any(not t.done() for t in self._tasks)
+        )
         if client_left:
             metrics.CLIENT_DISCONNECTS.inc()
         self.router.stats.request_closed(client_left)
         self.router.requests.close(self.record)
+        for task in self._tasks:
+            task.cancel()
+
+    def cancel(self, error: RouterError) -> None:
+        """End the request from the server's side (a shutdown): its unfinished sequences are
+        cancelled, which aborts them on their workers, and the consumer gets ``error`` after
+        the output already queued (HTTP: an error event then ``[DONE]``, or an error response;
+        gRPC: a GenerateError). Idempotent; nothing once the request is closed or done."""
+        if self._closed or self.done or self._ended_by is not None:
+            return
+        self._ended_by = error
+        self._queue.put_nowait(error)
         for task in self._tasks:
             task.cancel()
 
@@ -318,7 +335,7 @@ class RequestStream:
             await gen.aclose()
             metrics.REQUESTS_ABORTED.inc()
             self.router.stats.counts["aborted"] += 1
-            if self._closed or cancelled_by_caller():
+            if self._closed or self._ended_by is not None or cancelled_by_caller():
                 raise
             # NOTE: nobody cancelled this task: a cancellation leaked from below. Tell the
             # consumer, who would otherwise wait for this sequence forever (QA D1).
@@ -395,6 +412,34 @@ class Router:
         )
         self.stats = ServingStats()  # the operators' view (/v1/cluster/status)
         self.requests = RequestLog()  # per-request records (/v1/requests/{id})
+        self._open: set[RequestStream] = set()  # admitted, not closed yet
+        self._shutting_down = False
+
+    @property
+    def accepting(self) -> bool:
+        """False once the router stops admitting (:meth:`stop_admitting`)."""
+        return not self._shutting_down
+
+    @property
+    def num_open(self) -> int:
+        """Requests admitted and not yet closed (finished, failed or ended)."""
+        return len(self._open)
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests with :class:`ShuttingDown` (503); those in flight go on."""
+        self._shutting_down = True
+
+    def shut_down(self) -> int:
+        """Stop serving (the gateways are stopping): refuse new requests and end every open
+        one with :class:`ShuttingDown` (503), aborting its sequences on their workers (the
+        aborts run in the background: ``drain_background``). Idempotent. Returns how many
+        requests were ended."""
+        self.stop_admitting()
+        err = ShuttingDown("the server is shutting down; retry the request on another server")
+        open_now = [s for s in self._open if not s.done]
+        for s in open_now:
+            s.cancel(err)
+        return len(open_now)
 
     @property
     def model_name(self) -> str:
@@ -420,6 +465,8 @@ class Router:
         """
         arrival = time.monotonic()
         ids = list(prompt_token_ids)
+        if self._shutting_down:
+            raise ShuttingDown("the server is shutting down; send the request to another server")
         check_ready(self.pool)  # 503 + Retry-After while no decode worker is up
         self.check_token_ids(ids, prompt_param)
         if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # the client's, before EOS ids

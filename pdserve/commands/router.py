@@ -52,7 +52,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
     from pdserve.model.resolve import resolve_model
     from pdserve.tokenizer import load_chat_template, load_tokenizer
     from router.background import drain_background
-    from router.cluster import RegistryFollower
+    from router.cluster import RegistryFollower, shutdown_ray
     from router.lifecycle import LifecycleConfig
     from router.pool import WorkerPool
     from router.server import Frontend, FrontendConfig
@@ -99,6 +99,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
             args.grpc_port,
             api_key,
             max_concurrent_streams=args.max_concurrent_streams,
+            drain_timeout_s=args.drain_timeout,
         ),
     )
     await frontend.start()
@@ -116,6 +117,7 @@ async def route_async(args: argparse.Namespace, ray_address: str) -> int:
         await drain_background(2.0)
         await follower.stop()
         await pool.close()
+        shutdown_ray()  # now, not at exit: Ray's exit hook takes ~1 s longer to disconnect
         frontend.release_signals()
     return 0
 
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             max_local_prefill_length=args.max_local_prefill_length or 0,
             min_prefill_queue_tokens=args.min_prefill_queue_tokens,
             max_concurrent_streams=args.max_concurrent_streams,
+            drain_timeout_s=args.drain_timeout,
         )
         return asyncio.run(route_async(args, address))
     except (ConfigError, ValueError) as e:  # a bad flag: exit 2, as `pdserve serve` (argparse)

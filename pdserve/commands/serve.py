@@ -227,6 +227,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         tool_call_parser=args.tool_call_parser,
         max_local_prefill_length=max_local_prefill_length(args, load.device),
         min_prefill_queue_tokens=args.min_prefill_queue_tokens,
+        drain_timeout_s=args.drain_timeout,
     )
     if args.cpus_per_worker is not None:
         check_cpus_per_worker(args.cpus_per_worker)
@@ -402,6 +403,7 @@ async def serve_async(
             log_level="warning",
             enable_fault_injection=s.engine.enable_fault_injection,
             max_concurrent_streams=s.max_concurrent_streams,
+            drain_timeout_s=s.drain_timeout_s,
         ),
         control=cluster,
     )

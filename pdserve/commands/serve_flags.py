@@ -89,6 +89,13 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         help="seconds before a request is aborted",
     )
     g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServeConfig.drain_timeout_s,
+        help="seconds a stopping router (SIGTERM, Ctrl-C) lets requests in flight finish; the "
+        "rest, or all at a second signal, end with a 503 'shutting down' (0: at once)",
+    )
+    g.add_argument(
         "--chat-template",
         default=ServeConfig.chat_template,
         help="chat template (a Jinja file, or the template itself) used instead of the model's",

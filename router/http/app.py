@@ -108,10 +108,10 @@ def build_app(
     async def health() -> JSONResponse:
         decode = router.pool.workers("decode")
         prefill = router.pool.workers("prefill")
-        ok = is_ready(router.pool)
+        ok = is_ready(router.pool) and router.accepting  # unready while shutting down
         return JSONResponse(
             {
-                "status": "ok" if ok else "unavailable",
+                "status": "ok" if ok else "unavailable" if router.accepting else "shutting_down",
                 "decode_workers": len(decode),
                 "prefill_workers": len(prefill),
             },
