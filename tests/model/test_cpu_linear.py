@@ -141,6 +141,19 @@ def test_skinny_kernel_is_used_exactly_where_it_applies() -> None:
             skinny_linear(torch.randn(2, 24), skinny_pack(w), 40, None)
 
 
+def count_skinny_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every call the skinny kernel runs from now on (appended as it runs)."""
+    calls: list[int] = []
+    real = cpu_linear._skinny_run
+
+    def spy(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(fn, x, *args)
+
+    monkeypatch.setattr(cpu_linear, "_skinny_run", spy)
+    return calls
+
+
 @pytest.mark.parametrize("amx", [True, False])
 def test_bf16_calls_past_four_rows_go_to_onednn_on_an_amx_cpu(
     amx: bool, monkeypatch: pytest.MonkeyPatch
@@ -156,14 +169,7 @@ def test_bf16_calls_past_four_rows_go_to_onednn_on_an_amx_cpu(
         assert skinny_rows(torch.float32) == (1, SKINNY_MAX_ROWS)
         if not (has_skinny_bf16 and can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))):
             return
-        calls: list[int] = []
-        real = cpu_linear._skinny_run
-
-        def spy(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
-            calls.append(x.shape[0])
-            return real(fn, x, *args)
-
-        monkeypatch.setattr(cpu_linear, "_skinny_run", spy)
+        calls = count_skinny_calls(monkeypatch)
         w = torch.randn(40, 24).bfloat16()
         layer = PackedLinear(w, None)
         for rows in (1, 4, 5, 16):
@@ -338,14 +344,7 @@ def test_fp32_calls_past_the_skinny_rows_keep_the_kernel_only_without_avx512(
     monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
     assert cpu_linear.skinny_runs_large(torch.float32) is not avx512
     assert not cpu_linear.skinny_runs_large(torch.bfloat16)
-    calls: list[int] = []
-    real = cpu_linear._skinny_run
-
-    def spy(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(fn, x, *args)
-
-    monkeypatch.setattr(cpu_linear, "_skinny_run", spy)
+    calls = count_skinny_calls(monkeypatch)
     w = torch.randn(40, 24)
     layer = PackedLinear(w, None, skinny=True)
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
