@@ -91,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seeds every run's prompts")
     p.add_argument(
+        "--long-num-prompts", type=int, default=0,
+        help="the mixed run's long client stops after this many prompts (0: it sends until the "
+        "short run ends), so a server that falls behind gets no more long work than a faster one",
+    )  # fmt: skip
+    p.add_argument(
         "--serve-arg", action="append", default=[], metavar="ARG",
         help="extra `pdserve serve` argument (repeat; e.g. --serve-arg=--max-num-seqs=32)",
     )  # fmt: skip
@@ -105,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # flags whose value goes to the SuiteConfig field of the same name
 SAME_NAMES = ("model", "load_format", "tokenizer", "modes", "workloads", "mixed_modes", "quick",
-              "seed")  # fmt: skip
+              "seed", "long_num_prompts")  # fmt: skip
 
 
 def resolve_dtype(dtype: str, model: str) -> str:

@@ -194,7 +194,8 @@ def test_quick_suite_on_a_tiny_pdserve(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "serving_suite.py"), "--quick", "--model",
          str(model), "--load-format", "dummy", "--dtype", "float32", "--modes", "disaggregated",
-         "--result-dir", str(out), "--serve-arg=--kv-cache-memory-bytes=268435456"],
+         "--result-dir", str(out), "--serve-arg=--kv-cache-memory-bytes=268435456",
+         "--long-num-prompts", "3"],
         cwd=ROOT, capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -205,5 +206,8 @@ def test_quick_suite_on_a_tiny_pdserve(tmp_path: Path) -> None:
     assert runs["main"]["summary"]["completed"] == 16 and runs["main"]["summary"]["failed"] == 0
     assert runs["short-mixed"]["summary"]["completed"] == 8
     assert runs["long-mixed"]["summary"]["failed"] == 0
+    assert runs["long-mixed"]["summary"]["completed"] <= 3  # --long-num-prompts
+    assert summary["config"]["mixed_workload"]["long_num_prompts"] == 3
     assert summary["servers"]["pdserve-disaggregated"]["exit_code"] is not None
-    assert "| workload | pdserve disaggregated |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| workload | pdserve disaggregated |" in report and "(at most 3)" in report

@@ -127,3 +127,27 @@ def test_the_mixed_cap_scales_with_the_run_alone() -> None:
     assert w.mixed_cap_s(1.0) == MIN_MIXED_CAP_S
     with pytest.raises(ValueError, match="mixed_cap_factor must be > 0"):
         MixedWorkload(mixed_cap_factor=0)
+
+
+def test_long_client_stops_after_max_long_prompts_and_waits_for_the_short_run(
+    fake_server: Callable[[dict[str, Any]], FakeServer],
+) -> None:
+    server = fake_server(SCRIPT)
+    short_cfg, long_cfg = _configs(server.base_url)
+    longs = LongPrompts([_long(i) for i in range(2)], _long)
+    t0 = time.perf_counter()
+    short, long = asyncio.run(
+        run_mixed(short_cfg, _shorts(8), long_cfg, longs, WordTokenizer(), max_long=2)
+    )
+    took = time.perf_counter() - t0
+    # the short run (4 waves x ~290 ms) outlasts the two long prompts (sent 200 ms apart)
+    assert short.metrics.completed == 8
+    assert len(long.requests) == 2 and long.metrics.completed == 2
+    assert longs.made_late == 0  # no prompt past the cap was built
+    assert took >= short.metrics.duration_s
+    assert [r["case"] for r in server.log()].count("long") == 2
+
+
+def test_a_negative_long_prompt_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="long_num_prompts"):
+        MixedWorkload(long_num_prompts=-1)

@@ -5,7 +5,8 @@
 - the **short client** is an ordinary closed-loop run (:func:`pdserve.bench.serve.run_benchmark`,
   no warm-up: the server is warm from the runs before);
 - the **long client** (:func:`run_paced_until`) sends long prompt ``i`` at ``t0 + i / rate``
-  (evenly spaced, no concurrency cap) until the short run has finished, then waits up to
+  (evenly spaced, no concurrency cap) until the short run has finished (or, with ``max_long``,
+  until it has sent that many: every server then gets the same long work), then waits up to
   ``drain_s`` for the long requests still in flight, so their TTFT and E2EL show whether they
   starve; any still unfinished then are cancelled (the server aborts them on the disconnect)
   and count as failed with an error starting :data:`UNFINISHED`, which keeps the run bounded
@@ -73,10 +74,12 @@ async def run_paced_until(
     stop: asyncio.Event,
     tokenizer: BenchTokenizer | None = None,
     drain_s: float = math.inf,
+    max_prompts: int = 0,
 ) -> BenchmarkResult:
     """Send ``prompts`` at ``config.request_rate`` per second (evenly spaced, first at once)
-    until ``stop`` is set; then wait up to ``drain_s`` seconds for the requests in flight and
-    cancel the rest (failed, error ``'unfinished ...'``). ``config.model`` must be set.
+    until ``stop`` is set (or ``max_prompts`` have gone, when > 0: the client then waits for
+    ``stop``); then wait up to ``drain_s`` seconds for the requests in flight and cancel the
+    rest (failed, error ``'unfinished ...'``). ``config.model`` must be set.
 
     The result's duration runs from the first send to the end of the last completed request.
     Raises ValueError for an infinite rate or a missing model name.
@@ -113,6 +116,9 @@ async def run_paced_until(
         while not stop.is_set():
             sent.append(nxt)
             tasks.append(asyncio.create_task(one(nxt)))
+            if len(sent) == max_prompts:
+                await stop.wait()
+                break
             nxt = await prompts.get(len(sent))
             delay = t0 + len(sent) / config.request_rate - time.perf_counter()
             if delay > 0:
@@ -147,14 +153,18 @@ async def run_mixed(
     tokenizer: BenchTokenizer | None = None,
     drain_s: float = math.inf,
     max_s: float = math.inf,
+    max_long: int = 0,
 ) -> tuple[BenchmarkResult, BenchmarkResult]:
     """(short run, long run): both clients started together; the long client stops sending when
-    the short run ends and waits at most ``drain_s`` s for its requests in flight.
+    the short run ends (or after ``max_long`` prompts, when > 0) and waits at most ``drain_s`` s
+    for its requests in flight.
     ``long_config.request_rate`` is the long prompts' rate (req/s); ``long_config.model`` must
     be set. Raises BenchmarkError like a single run, and when the short run has not finished
     ``max_s`` seconds after it started (both clients are then cancelled)."""
     stop = asyncio.Event()
-    long_task = asyncio.create_task(run_paced_until(long_config, longs, stop, tokenizer, drain_s))
+    long_task = asyncio.create_task(
+        run_paced_until(long_config, longs, stop, tokenizer, drain_s, max_long)
+    )
     short_run = run_benchmark(replace(short_config, num_warmups=0), shorts, tokenizer)
     try:
         short = await asyncio.wait_for(short_run, None if max_s == math.inf else max_s)

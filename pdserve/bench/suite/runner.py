@@ -27,7 +27,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class SuiteConfig:
     serve_args: tuple[str, ...] = ()
     seed: int = 0
     max_model_len: int = 2048
+    long_num_prompts: int = 0  # > 0: the mixed run's long prompts stop after this many
     ready_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
     measure_reps: int = 5
@@ -113,6 +114,8 @@ class Suite:
         self.cfg = config
         self.echo_fn = echo
         self.main_wl, self.mixed_wl = wl.workloads_for(config.quick)
+        if config.long_num_prompts:
+            self.mixed_wl = replace(self.mixed_wl, long_num_prompts=config.long_num_prompts)
         self.records: list[RunRecord] = []
         self.errors: list[str] = []
         self.servers: dict[str, dict[str, Any]] = {}
@@ -277,6 +280,8 @@ class Suite:
         self._record(spec, RUN_SHORT_ALONE, "pdserve", alone_doc, w.short_max_concurrency)
         # enough long prompts prepared for a mixed run 4x as long as the run alone
         n_long = math.ceil(w.long_rate * max(alone.metrics.duration_s * 4, 30.0)) + 2
+        if w.long_num_prompts:
+            n_long = w.long_num_prompts
         if len(self.inputs.longs) < n_long:
             self.inputs.longs += [self._long(i) for i in range(len(self.inputs.longs), n_long)]
         longs = LongPrompts(self.inputs.longs, self._long)
@@ -288,12 +293,13 @@ class Suite:
         self._client_command(
             spec, self._our_client(spec, wl.short_flags(w, seed + wl.SEED_SHORT_MIXED, 0))
             + f"   # at once: long prompts, random {w.long_input_len} in / {w.long_output_len} "
-            f"out, evenly at {w.long_rate:g}/s from a second client until this run ends",
+            f"out, evenly at {w.long_rate:g}/s from a second client until this run ends"
+            + (f" (at most {w.long_num_prompts})" if w.long_num_prompts else ""),
         )  # fmt: skip
         short_res, long_res = asyncio.run(
             run_mixed(mixed_cfg, self.inputs.short_mixed, long_cfg, longs,
                       self.inputs.tokenizer, w.long_drain_s,
-                      w.mixed_cap_s(alone.metrics.duration_s))
+                      w.mixed_cap_s(alone.metrics.duration_s), w.long_num_prompts)
         )  # fmt: skip
         short_doc = self._save(short_res, spec, RUN_SHORT_MIXED)
         long_doc = self._save(long_res, spec, RUN_LONG_MIXED)

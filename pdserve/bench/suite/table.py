@@ -210,7 +210,9 @@ def mixed_section(summary: dict[str, Any], runs: Runs) -> list[str]:
         f"Short requests: {w['short_input_len']} in / {w['short_output_len']} out, "
         f"{w['short_num_prompts']} prompts, concurrency {w['short_max_concurrency']}, "
         f"{w['endpoint']}; mixed: beside {w['long_input_len']}-token prompts "
-        f"({w['long_output_len']} out) at {w['long_rate']:g}/s from a second client, whose "
+        f"({w['long_output_len']} out) at {w['long_rate']:g}/s from a second client"
+        + (f" (at most {w['long_num_prompts']})" if w.get("long_num_prompts") else "")
+        + ", whose "
         f"requests still unfinished {w.get('long_drain_s', 0):g} s after the short run are cut "
         f"off; a mixed short run taking over {w.get('mixed_cap_factor', 0):g}x its time alone "
         "(and over 120 s) is cut off and reported as failed. (Nx) = p99 ITL mixed / alone."

@@ -49,8 +49,9 @@ class MixedWorkload:
     """Short closed-loop requests, alone and beside long prompts sent at ``long_rate`` per second.
 
     Lengths in tokens; the long client sends evenly spaced requests (no concurrency cap) from the
-    moment the short run starts until it ends, then waits up to ``long_drain_s`` seconds for
-    those in flight. A server that falls so far behind that the mixed short run takes more than
+    moment the short run starts until it ends (or until it has sent ``long_num_prompts``, when
+    > 0, so that a server that falls behind is not sent more long work than a faster one), then
+    waits up to ``long_drain_s`` seconds for those in flight. A server that falls so far behind that the mixed short run takes more than
     ``mixed_cap_factor`` times as long as the short run alone (and over 120 s) has its mixed run
     cut off there and reported as failed, instead of holding the suite for as long as it takes.
     """
@@ -62,6 +63,7 @@ class MixedWorkload:
     long_input_len: int = 1500
     long_output_len: int = 8
     long_rate: float = 0.25  # requests/s
+    long_num_prompts: int = 0  # at most this many long prompts (0: until the short run ends)
     long_drain_s: float = 60.0
     mixed_cap_factor: float = 10.0
     endpoint: str = COMPLETIONS_ENDPOINT
@@ -72,6 +74,10 @@ class MixedWorkload:
             "short_max_concurrency", "long_input_len", "long_output_len", "long_rate",
             "long_drain_s", "mixed_cap_factor",
         )  # fmt: skip
+        if self.long_num_prompts < 0:
+            raise ValueError(
+                f"MixedWorkload.long_num_prompts must be >= 0, got {self.long_num_prompts}"
+            )
 
     def mixed_cap_s(self, alone_s: float) -> float:
         """The longest the mixed short run may take, given the short run alone took
