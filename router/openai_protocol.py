@@ -5,7 +5,7 @@ OpenAI defines but pdserve cannot honour (``suffix``, non-text content, ...) are
 400 naming the field rather than silently ignored, and so are vLLM's extensions that would change
 the output but are not implemented here (``truncate_prompt_tokens``, ``bad_words``,
 ``use_beam_search``, a request's own ``chat_template``, ...: :data:`UNSUPPORTED`). Other unknown
-fields are ignored, as vLLM does.
+fields are ignored with a warning in the server's log naming them, as vLLM does.
 Sampling extensions that vLLM accepts in the body (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``,
@@ -20,9 +20,10 @@ pydantic round trip on the hot path); their shapes are documented there.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.structured.spec import StructuredOutputSpec
@@ -32,6 +33,7 @@ from router.prompts import check_text
 from router.structured_request import logit_bias_pairs, structured_spec, top_field
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+log = logging.getLogger(__name__)
 
 # Fields of OpenAI's API or vLLM's extensions that pdserve does not implement, each with the value
 # that means "not used": a request that sets one to anything else gets a 400 naming it (rather
@@ -130,6 +132,20 @@ class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_ignored(cls, data: Any) -> Any:
+        """Log the top-level fields this request model does not know (a typo such as
+        ``max_token`` is then visible in the log), as vLLM does; they stay ignored."""
+        if isinstance(data, dict):
+            ignored = sorted(str(k) for k in data if k not in cls.model_fields)
+            if ignored:
+                shown = ", ".join(repr(k[:64]) for k in ignored[:10])
+                more = f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
+                log.warning("request fields ignored (not known to %s): %s%s",
+                            cls.__name__, shown, more)  # fmt: skip
+        return data
 
     model: str | None = None
     n: int = 1

@@ -196,4 +196,5 @@ class Frontend:
             "grpc": f"{shown}:{self.grpc.port}",
             "metrics": f"{base}/metrics",
             "health": f"{base}/health",
+            "dashboard": f"{base}/dashboard",
         }

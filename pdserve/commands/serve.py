@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdserve import env
@@ -250,10 +251,13 @@ def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
     ``--ray-address`` and ``--model``, which the cluster's line names), for the startup hint.
     Secrets are never printed: ``KEY`` / ``TOKEN`` stand for this server's."""
     flags: list[str] = []
+    template = args.chat_template
+    if template is not None and Path(template).expanduser().is_file():
+        template = str(Path(template).expanduser().resolve())  # the line works from any folder
     for flag, value in (
         ("--served-model-name", args.served_model_name),
         ("--max-model-len", args.max_model_len),
-        ("--chat-template", args.chat_template),
+        ("--chat-template", template),
         ("--tool-call-parser", args.tool_call_parser),
     ):
         if value is not None:
@@ -288,6 +292,7 @@ def print_ready(urls: dict[str, str], plan: ServePlan, api_key: bool) -> None:
         f"  OpenAI API  {urls['openai']}   (try: curl{auth} {urls['openai']}/models)",
         f"  gRPC API    {urls['grpc']}   (pdserve.v1.Generation, grpc.health.v1, reflection)",
         f"  metrics     {urls['metrics']}   health {urls['health']}",
+        f"  dashboard   {urls['dashboard']}",
         "  Ctrl-C to stop",
     ]
     if s.mode != "unified" and s.num_prefill_workers and s.max_local_prefill_length:

@@ -433,3 +433,27 @@ async def test_grpc_finish_reason_of_a_named_and_a_required_call(tokenizer: Toke
         finally:
             await gw.stop(0)
             await c.close()
+
+
+async def test_unknown_fields_are_ignored_with_a_warning_naming_them(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """New-user (session 40): a typo such as 'max_token' was ignored without a trace; as vLLM,
+    the request still runs and the server's log names what it ignored."""
+    async with client(tokenizer, answer="Hi there.") as http:
+        with caplog.at_level("WARNING", logger="router.openai_protocol"):
+            r = await http.post(
+                "/v1/completions",
+                json={"model": "smollm2", "prompt": "Hi", "max_tokens": 3, "max_token": 5,
+                      "temperatur": 0},
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            r = await http.post(
+                "/v1/chat/completions",
+                json={"model": "smollm2", "messages": ASK, "max_tokens": 3},
+            )
+            assert r.status_code == 200, r.text
+    warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert warned == [
+        "request fields ignored (not known to CompletionRequest): 'max_token', 'temperatur'"
+    ]

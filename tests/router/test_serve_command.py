@@ -8,7 +8,9 @@ import dataclasses
 import io
 import logging
 import os
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -203,6 +205,20 @@ def test_router_hint_repeats_the_flags_a_router_must_match(
     assert serve.build_plan(parse("serve", "--device", "cpu")).router_flags == ()
 
 
+def test_router_hint_names_a_chat_template_file_by_its_absolute_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """New-user (session 40): a relative --chat-template in the printed router line failed
+    when pasted from another folder."""
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    monkeypatch.chdir(tmp_path)
+    flags = serve.build_plan(parse("serve", "--device", "cpu", "--chat-template", "t.jinja"))
+    assert flags.router_flags == ("--chat-template", str(tmp_path / "t.jinja"))
+    inline = "{{ messages[0]['content'] }}"  # an inline template stays as it is
+    plan = serve.build_plan(parse("serve", "--device", "cpu", "--chat-template", inline))
+    assert plan.router_flags == ("--chat-template", shlex.quote(inline))
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
@@ -248,10 +264,11 @@ def test_ready_lines_say_when_conditional_disaggregation_is_on(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """New-user report: the startup banner named neither the default nor how to turn it off."""
-    urls = {k: f"http://x/{k}" for k in ("openai", "grpc", "metrics", "health")}
+    urls = {k: f"http://x/{k}" for k in ("openai", "grpc", "metrics", "health", "dashboard")}
     serve.print_ready(urls, serve.build_plan(parse("serve", "--device", "cpu")), False)
     out = capsys.readouterr().out
     assert out.startswith("[pdserve] ready: model")
+    assert "dashboard   http://x/dashboard" in out
     assert (
         "prompts of <= 512 tokens" in out and "behind >= 256 tokens on every prefill worker" in out
     )
