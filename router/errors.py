@@ -171,6 +171,16 @@ class RequestNotFound(RouterError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
 
+class NoClusterControl(RouterError):
+    """404: an /admin cluster route on a router without the cluster controller (a router that
+    joined with ``pdserve router``: the head router, ``pdserve serve``, owns the workers)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_the_head_router"
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
 class HeadersTooLarge(RouterError):
     """431: the request line and headers together are over the gateway's size limit."""
 

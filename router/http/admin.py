@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict
 
-from router.errors import BadRequest, InsufficientResources
+from router.errors import BadRequest, InsufficientResources, NoClusterControl
 
 
 class ClusterControl(Protocol):
@@ -58,5 +58,22 @@ def admin_routes(control: ClusterControl, dependencies: Sequence[Depends]) -> AP
         except RuntimeError as e:  # a new worker failed to start (RouterErrors pass through)
             raise InsufficientResources(f"scaling {body.role} failed: {e}") from None
         return {"workers": control.describe()}
+
+    return admin
+
+
+def no_control_routes(dependencies: Sequence[Depends]) -> APIRouter:
+    """``/admin/workers`` and ``/admin/scale`` on a router without the cluster controller (one
+    started with ``pdserve router``): a 404 saying where they are served instead of a bare
+    "Not Found"."""
+    admin = APIRouter(prefix="/admin", dependencies=list(dependencies))
+
+    @admin.api_route("/workers", methods=["GET"], include_in_schema=False)
+    @admin.api_route("/scale", methods=["POST"], include_in_schema=False)
+    async def elsewhere() -> None:
+        raise NoClusterControl(
+            "this router does not own the workers (it joined with `pdserve router`): "
+            "/admin/workers and /admin/scale are served by the head router (`pdserve serve`)"
+        )
 
     return admin

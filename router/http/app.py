@@ -20,7 +20,7 @@ from pdserve import metrics
 from pdserve.auth import bearer_credentials, secrets_match
 from router.dashboard import add_operator_routes
 from router.errors import Unauthorized
-from router.http.admin import ClusterControl, admin_routes
+from router.http.admin import ClusterControl, admin_routes, no_control_routes
 from router.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from router.http.chat import chat_completion
 from router.http.completions import text_completion
@@ -125,6 +125,8 @@ def build_app(
 
     if control is not None:
         app.include_router(admin_routes(control, [Depends(require_key)]))
+    else:
+        app.include_router(no_control_routes([Depends(require_key)]))
     if fault_control is not None:
         app.include_router(fault_routes(fault_control, [Depends(require_key)]))
     install_error_handlers(app)

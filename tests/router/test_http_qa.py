@@ -384,3 +384,20 @@ async def test_admin_scale_never_500_never_waits_on_a_busy_lock(tokenizer: Token
             assert (await first).status_code == 200
             r = await client.post("/admin/scale", json={"role": "prefill", "count": 7})
             assert "failed to start" in assert_openai_error(r, 503)["message"]
+
+
+async def test_admin_routes_on_a_router_without_the_workers_say_where_they_are(
+    tokenizer: Tokenizer,
+) -> None:
+    """New-user (session 40): /admin/scale on a `pdserve router` answered a bare 404."""
+    from router.http import build_app
+
+    async with env(tokenizer) as e:
+        transport = httpx.ASGITransport(app=build_app(e.router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            for r in (
+                await client.post("/admin/scale", json={"role": "prefill", "count": 2}),
+                await client.get("/admin/workers"),
+            ):
+                err = assert_openai_error(r, 404)
+                assert err["code"] == "not_the_head_router" and "pdserve serve" in err["message"]
