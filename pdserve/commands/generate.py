@@ -9,7 +9,9 @@ completion is printed to stdout; with several prompts each completion is precede
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from typing import Any
 
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, LoadConfig, SchedulerConfig
 from pdserve.engine.errors import EngineError
@@ -52,8 +54,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class _StderrNow(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler that writes to whatever ``sys.stderr`` is at each record."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+def show_kernel_builds() -> None:
+    """Say on stderr when a CPU kernel is compiled for this machine (its first use: tens of
+    seconds in all, which would otherwise pass in silence; cached afterwards)."""
+    build_log = logging.getLogger("pdserve.attention.cpu_build")
+    if not any(isinstance(h, _StderrNow) for h in build_log.handlers):
+        handler = _StderrNow()
+        handler.setFormatter(logging.Formatter("[pdserve] %(message)s"))
+        handler.setLevel(logging.INFO)
+        build_log.addHandler(handler)
+    if build_log.getEffectiveLevel() > logging.INFO:
+        build_log.setLevel(logging.INFO)
+
+
 def run(args: argparse.Namespace) -> int:
     """Generate and print. Returns 0, or 2 after printing one error line for bad input."""
+    show_kernel_builds()
     try:
         return _run(args)
     except (ConfigError, EngineError, SamplingError, ValueError) as e:

@@ -43,3 +43,24 @@ def test_bad_sampling_value_one_line(capsys: pytest.CaptureFixture) -> None:
     rc = main(["generate", "--prompt", "hi", "--temperature", "-1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "'temperature' must be in [0, 2]" in err
+
+
+@pytest.mark.timeout(60)
+def test_kernel_builds_are_announced(capsys: pytest.CaptureFixture) -> None:
+    """New-user (session 40): a first run spent ~40 s compiling the CPU kernels in silence."""
+    import logging
+
+    from pdserve.commands.generate import show_kernel_builds
+
+    build_log = logging.getLogger("pdserve.attention.cpu_build")
+    before = list(build_log.handlers)
+    try:
+        show_kernel_builds()
+        show_kernel_builds()  # once is enough
+        build_log.info("compiling paged_decode.c for this CPU (first use; cached in /c)")
+        err = capsys.readouterr().err
+        assert err == "[pdserve] compiling paged_decode.c for this CPU (first use; cached in /c)\n"
+    finally:
+        for h in build_log.handlers[len(before) :]:
+            build_log.removeHandler(h)
+        build_log.setLevel(logging.NOTSET)
