@@ -45,7 +45,7 @@ from router.chat_tools import ToolSetup
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.grpc_chat import ChatInputs, chat_inputs
 from router.readiness import is_ready
-from router.request_id import check_request_id
+from router.request_id import check_request_id, request_context
 from router.serving import Router
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,12 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     sampling.structured, sampling.allowed_token_ids
                 )
             field = request.WhichOneof("input") or "input"  # errors name the prompt's field
-            stream = self.router.submit(rid, prompt, sampling, prompt_param=field)
+            # the workers' id for the call is the gateway's own: a client's request_id need not
+            # be unique (a retry, a reuse), and two live sequences may not share an id on a
+            # worker; the record is filed under the client's id, apart per call (as HTTP does)
+            seq_id = f"gen-{uuid.uuid4().hex}" if request.request_id else rid
+            with request_context(rid):
+                stream = self.router.submit(seq_id, prompt, sampling, prompt_param=field)
         except RouterError as e:
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)

@@ -10,15 +10,18 @@ gRPC API's ``request_id`` must meet the same rule (:func:`check_request_id`). Th
 header and made available to the serving code of the same request through a context variable
 (:func:`current_request_id`), so ``router/serving.py`` files the request's record under it. A
 client id is not unique (clients retry with it, or reuse it by mistake), so each HTTP request
-also gets a scope of its own (:func:`current_request_scope`): the record log keeps requests that
-share an id apart by it (see :mod:`router.request_log`).
+(and each gRPC call, :func:`request_context`) also gets a scope of its own
+(:func:`current_request_scope`): the record log keeps requests that share an id apart by it (see
+:mod:`router.request_log`), and the workers never see a client's id as a sequence id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from router.errors import BadRequest
@@ -36,7 +39,8 @@ _scope: contextvars.ContextVar[object | None] = contextvars.ContextVar(
 
 
 def current_request_id() -> str | None:
-    """The ``x-request-id`` of the HTTP request being served (None outside one, e.g. gRPC)."""
+    """The id of the request being served (an HTTP request's ``x-request-id``, a gRPC call's
+    ``request_id`` while it is submitted; None outside one)."""
     return _current.get()
 
 
@@ -48,6 +52,21 @@ def current_request_scope() -> object | None:
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def request_context(rid: str) -> Iterator[None]:
+    """Within the block, :func:`current_request_id` is ``rid`` and :func:`current_request_scope`
+    an object of this call's own: the request's record is filed under ``rid``, apart from other
+    requests that carry the same id (the HTTP middleware's per-request setting; the gRPC
+    gateway's around a call's submit)."""
+    token = _current.set(rid)
+    scope_token = _scope.set(object())
+    try:
+        yield
+    finally:
+        _scope.reset(scope_token)
+        _current.reset(token)
 
 
 def _too_long(field: str, length: int) -> BadRequest:
@@ -99,10 +118,5 @@ class RequestIdMiddleware:
             await send_error(send_with_id, _too_long(HEADER, len(text)))
             return
 
-        token = _current.set(rid)
-        scope_token = _scope.set(object())
-        try:
+        with request_context(rid):
             await self.app(scope, receive, send_with_id)
-        finally:
-            _scope.reset(scope_token)
-            _current.reset(token)

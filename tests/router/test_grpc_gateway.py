@@ -227,3 +227,29 @@ async def test_undecodable_request_is_invalid_argument(tokenizer: Tokenizer) -> 
         req = gpb.GenerateRequest(text="Capital?", sampling=cpb.SamplingParams(max_tokens=4))
         out = [r async for r in stub.Generate(req)]
         assert out[-1].WhichOneof("response") == "complete"
+
+
+async def test_a_reused_request_id_neither_collides_on_workers_nor_merges_records(
+    tokenizer: Tokenizer,
+) -> None:
+    """Adversarial (session 40): the client's request_id was the workers' sequence id, so
+    concurrent calls sharing one were refused by the decode worker as already live and retried
+    one after another, and their records merged into one."""
+    async with gateway(tokenizer, decode={"step_s": 0.02}) as (c, router, channel):
+        stub = gpb_grpc.GenerationStub(channel)
+        req = gpb.GenerateRequest(
+            text="Capital?", sampling=cpb.SamplingParams(max_tokens=4), request_id="dup"
+        )
+        outs = await asyncio.gather(*[_collect(stub.Generate(req)) for _ in range(4)])
+        for out in outs:
+            assert all(r.request_id == "dup" for r in out)
+            assert out[-1].WhichOneof("response") == "complete"
+        seq_ids = {r.request_id for r in c.decodes[0].requests}
+        assert len(seq_ids) == 4 and "dup" not in seq_ids  # the gateway's own ids
+        records = [router.requests.get(k) for k in ("dup", "dup~2", "dup~3", "dup~4")]
+        assert all(r is not None and len(r.sequences) == 1 for r in records)
+        assert all(r.summary()["status"] == "finished" for r in records if r is not None)
+
+
+async def _collect(call: AsyncIterator[gpb.GenerateResponse]) -> list[gpb.GenerateResponse]:
+    return [r async for r in call]
