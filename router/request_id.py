@@ -3,8 +3,8 @@
 A client may send its own ``x-request-id`` (1-128 characters of ``[A-Za-z0-9._:-]``, as proxies
 and tracing systems generate); the router then uses it unchanged. Otherwise, or when the header
 holds other characters (a proxy's id in another alphabet must not cost the request), the router
-makes one (``req-`` + 32 hex digits). A header over :data:`MAX_REQUEST_ID_CHARS` characters is
-refused with a 400 naming it and the limit: ids are kept in the request log and written to
+makes one (``req-`` + 32 hex digits). A header over :data:`MAX_REQUEST_ID_CHARS` bytes is
+refused with a 400 naming it and the limit (on :data:`PROBE_PATHS` it is replaced instead): ids are kept in the request log and written to
 the logs, and no id generator makes one that long, so it is a client's mistake to report. The
 gRPC API's ``request_id`` must meet the same rule (:func:`check_request_id`). The id is echoed in the response
 header and made available to the serving code of the same request through a context variable
@@ -69,11 +69,16 @@ def request_context(rid: str) -> Iterator[None]:
         _current.reset(token)
 
 
-def _too_long(field: str, length: int) -> BadRequest:
+def _too_long(field: str, length: int, unit: str = "characters") -> BadRequest:
     return BadRequest(
-        f"'{field}' is {length} characters long; at most {MAX_REQUEST_ID_CHARS} are allowed",
+        f"'{field}' is {length} {unit} long; at most {MAX_REQUEST_ID_CHARS} are allowed",
         param=field,
     )
+
+
+# Paths a load balancer or a scraper polls: an over-long id there is replaced, never refused
+# (a proxy adding a long trace id must not fail a liveness probe)
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 
 
 def check_request_id(rid: str, field: str = "request_id") -> None:
@@ -111,11 +116,11 @@ class RequestIdMiddleware:
                 message = {**message, "headers": [*headers, (HEADER.encode(), raw)]}
             await send(message)
 
-        if len(text) > MAX_REQUEST_ID_CHARS:  # answered with the id made for it
+        if len(text) > MAX_REQUEST_ID_CHARS and scope.get("path") not in PROBE_PATHS:
             # NOTE: imported here: router.http imports this module (serving.py does too)
             from router.http.body_limit import send_error
 
-            await send_error(send_with_id, _too_long(HEADER, len(text)))
+            await send_error(send_with_id, _too_long(HEADER, len(text), "bytes"))
             return
 
         with request_context(rid):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -61,6 +60,9 @@ def phases_of(role: str) -> list[str]:
 # faults the KV sender applies: only prefill workers send KV (a decode worker prefilling
 # locally, in unified mode, sends nothing)
 _SENDER_FAULTS = ("stall_transfer_s", "corrupt_payload")
+# The longest stall or delay a plan may hold (s): a day; time.sleep overflows near 1e308 (an
+# adversarial plan was armed and then failed when it fired).
+MAX_DELAY_S = 86400.0
 
 
 class _Tensor(Protocol):
@@ -100,8 +102,10 @@ class FaultPlan:
                 raise ValueError(f"kill_at must be one of {phases}, got {self.kill_at!r}") from None
         for name in ("stall_transfer_s", "get_stats_delay_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_DELAY_S:
+                raise ValueError(
+                    f"{name} must be a number of seconds in [0, {MAX_DELAY_S:g}], got {v!r}"
+                )
         for name in ("drop_aborts", "count"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
