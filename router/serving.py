@@ -414,6 +414,7 @@ class Router:
         self.requests = RequestLog()  # per-request records (/v1/requests/{id})
         self._open: set[RequestStream] = set()  # admitted, not closed yet
         self._shutting_down = False
+        self.stopping = asyncio.Event()  # set with _shutting_down (what waits on it: body_limit)
 
     @property
     def accepting(self) -> bool:
@@ -428,6 +429,7 @@ class Router:
     def stop_admitting(self) -> None:
         """Refuse new requests with :class:`ShuttingDown` (503); those in flight go on."""
         self._shutting_down = True
+        self.stopping.set()
 
     def shut_down(self) -> int:
         """Stop serving (the gateways are stopping): refuse new requests and end every open

@@ -63,7 +63,7 @@ def build_app(
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster")
     streams = StreamLimiter(max_concurrent_streams)
     app.state.streams = streams
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, stopping=router.stopping)
     app.add_middleware(StreamSlotRelease, limiter=streams)
     app.add_middleware(HeaderSizeLimit, max_bytes=max_header_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id

@@ -1,15 +1,18 @@
 """ASGI middleware that refuses request bodies over a size limit (413, OpenAI error body).
 
 The declared ``Content-Length`` is checked first; a body without one (chunked) is counted while
-it is read, so an over-long body is refused before any of it is parsed.
+it is read, so an over-long body is refused before any of it is parsed. A body still arriving
+when the server starts to stop is answered with a 503 'shutting down' at once (else the server's
+graceful-shutdown timeout would cancel the request and the client get a bare 500).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pdserve import metrics
-from router.errors import PayloadTooLarge, RouterError
+from router.errors import PayloadTooLarge, RouterError, ShuttingDown
 from router.http.responses import dumps
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 32 MiB: far above any prompt max_model_len admits
@@ -42,11 +45,30 @@ class BodySizeLimit:
     replayed to the app, so an over-long body is refused before any of it is parsed.
     """
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, stopping: asyncio.Event | None = None) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.app = app
         self.max_bytes = max_bytes
+        self.stopping = stopping
+
+    async def _receive_or_stop(self, receive: Any) -> dict[str, Any] | None:
+        """The next ASGI message, or None once ``stopping`` is set (the body still arriving)."""
+        if self.stopping is None:
+            message: dict[str, Any] = await receive()
+            return message
+        if self.stopping.is_set():
+            return None
+        got = asyncio.ensure_future(receive())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((got, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if got.done():
+            return got.result()  # type: ignore[no-any-return]
+        got.cancel()
+        return None
 
     async def _refuse(self, send: Any) -> None:
         err = PayloadTooLarge(
@@ -70,7 +92,11 @@ class BodySizeLimit:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            message = await self._receive_or_stop(receive)
+            if message is None:
+                await send_error(send, ShuttingDown("the server is shutting down; send the "
+                                                    "request to another server"))  # fmt: skip
+                return
             if message["type"] != "http.request":  # the client left while sending
                 await self.app(scope, _replay([], message, receive), send)
                 return

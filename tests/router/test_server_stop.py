@@ -143,3 +143,32 @@ async def test_a_second_signal_ends_the_drain(tokenizer: Tokenizer) -> None:
         finally:
             await fe.stop()
             fe.release_signals()
+
+
+async def test_a_body_still_arriving_gets_a_503_when_the_stop_begins(tokenizer: Tokenizer) -> None:
+    """Adversarial (session 40): a POST whose body was still arriving at SIGTERM got a bare 500
+    after uvicorn's 3 s graceful timeout (and held the stop that long)."""
+    async with env(tokenizer) as e:
+        fe = Frontend(e.router, FrontendConfig(host="127.0.0.1", port=0, grpc_port=0))
+        await fe.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", fe.http_port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": [1, 2'
+            )
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            stop = asyncio.create_task(fe.stop())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 503"), head
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = json.loads(await reader.readexactly(length))
+            assert body["error"]["code"] == "server_shutting_down"
+            await asyncio.wait_for(stop, 5)
+            assert time.monotonic() - t0 < 2.0  # not uvicorn's 3 s timeout
+            writer.close()
+        finally:
+            await fe.stop()
+            fe.release_signals()
