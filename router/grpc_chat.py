@@ -11,7 +11,7 @@ from typing import Any
 from pdserve import json_text
 from pdserve.v1 import generate_pb2 as gpb
 from router.chat_tools import ToolSetup, check_tool_calls, tool_setup
-from router.errors import BadRequest
+from router.errors import BadRequest, RouterError
 from router.openai_protocol import CHAT_ROLES
 
 
@@ -50,6 +50,28 @@ def _json(text: str, param: str, kinds: tuple[type, ...], items: type | None = N
                     param=f"{param}.{i}",
                 )
     return value
+
+
+# The HTTP API's names of the tool fields (in the errors router/chat_tools.py and the structured
+# output checks raise) and the gRPC request's, which carries them as JSON text
+_GRPC_TOOL_FIELDS = (("tool_choice", "chat.tool_choice_json"), ("tools", "chat.tools_json"))
+
+
+def grpc_field_names(e: RouterError) -> RouterError:
+    """``e`` with the tool fields named as the gRPC request spells them (``tools[0]`` ->
+    ``chat.tools_json[0]``, ``tool_choice`` -> ``chat.tool_choice_json``); other errors as
+    they are."""
+    param = e.param or ""
+    if not isinstance(e, BadRequest) or not any(
+        param == http or param.startswith(http + ".") for http, _ in _GRPC_TOOL_FIELDS
+    ):
+        return e
+    message = e.message
+    for http, name in _GRPC_TOOL_FIELDS:
+        if param == http or param.startswith(http + "."):
+            param = name + param[len(http) :]
+        message = message.replace(f"'{http}", f"'{name}")
+    return BadRequest(message, param=param)
 
 
 def chat_inputs(chat: gpb.ChatMessages, tool_parser: str) -> ChatInputs:

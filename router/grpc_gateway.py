@@ -43,7 +43,7 @@ from pdserve.v1 import generate_pb2 as gpb
 from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 from router.chat_tools import ToolSetup
 from router.errors import BadRequest, ModelNotFound, RouterError
-from router.grpc_chat import ChatInputs, chat_inputs
+from router.grpc_chat import ChatInputs, chat_inputs, grpc_field_names
 from router.readiness import is_ready
 from router.request_id import check_request_id, request_context
 from router.serving import Router
@@ -145,6 +145,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
             with request_context(rid):
                 stream = self.router.submit(seq_id, prompt, sampling, prompt_param=field)
         except RouterError as e:
+            if request.WhichOneof("input") == "chat":
+                e = grpc_field_names(e)
             metrics.REQUEST_ERRORS.labels(code=str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
             return

@@ -403,7 +403,18 @@ GRPC_ROWS = [
          gpb.GenerateRequest(chat=gpb.ChatMessages(
              messages=[gpb.ChatMessage(role="user", content="hi")],
              tools_json=json.dumps([TOOL_F, TOOL_F]))),
-         BAD, "'tools' defines function \"f\" twice"),
+         BAD, "'chat.tools_json' defines function \"f\" twice"),
+    # the tool fields are named as the gRPC request spells them (adversarial pass, session 40)
+    Grpc("tools_json entry not a function tool",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(
+             messages=[gpb.ChatMessage(role="user", content="hi")],
+             tools_json=json.dumps([{"type": "retrieval"}]))),
+         BAD, "'chat.tools_json[0]' must be {'type': 'function'"),
+    Grpc("tool_choice_json naming no tool",
+         gpb.GenerateRequest(chat=gpb.ChatMessages(
+             messages=[gpb.ChatMessage(role="user", content="hi")],
+             tool_choice_json=json.dumps("required"))),
+         BAD, "'chat.tool_choice_json' needs 'chat.tools_json'"),
     Grpc("request_id over the limit",
          gpb.GenerateRequest(text="hi", request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), BAD,
          f"'request_id' is {MAX_REQUEST_ID_CHARS + 1} characters long; at most "
