@@ -482,7 +482,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.drain_timeout_s < float("inf"):
             raise ConfigError(
-                f"--drain-timeout must be a number of seconds >= 0, got {self.drain_timeout_s}"
+                f"--drain-timeout must be a finite number of seconds >= 0, got {self.drain_timeout_s}"
             )
         if self.max_local_prefill_length < 0:
             raise ConfigError("--max-local-prefill-length must be >= 0 (0 turns it off)")

@@ -84,8 +84,9 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--min-prefill-queue-tokens", "-1"], "--min-prefill-queue-tokens must be >= 0"),
         (["--prefill-niceness", "20"], r"--prefill-niceness must be in \[0, 19\], got 20"),
         (["--prefill-niceness", "-1"], "--prefill-niceness must be in"),
-        (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0"),
-        (["--drain-timeout", "nan"], "--drain-timeout must be a number of seconds >= 0"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a finite number of seconds >= 0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
+        (["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
