@@ -342,6 +342,8 @@ def test_fp32_calls_past_the_skinny_rows_keep_the_kernel_only_without_avx512(
     # measured (docs/benchmarks.md); with it oneDNN wins past SKINNY_MAX_ROWS
     flags = cpu_linear.cpu_flags() - {"avx512f"} | ({"avx512f"} if avx512 else set())
     monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
+    # a process sharing its prefills' matmuls sends large calls to the helper's path first
+    monkeypatch.setattr(cpu_linear._sharing, "on", False)
     assert cpu_linear.skinny_runs_large(torch.float32) is not avx512
     assert not cpu_linear.skinny_runs_large(torch.bfloat16)
     calls = count_skinny_calls(monkeypatch)
