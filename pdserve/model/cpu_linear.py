@@ -23,8 +23,8 @@ thread: 62.8 against 87.0 ms; two threads 31.0 against 48.5 ms; at 256 rows oneD
 against 597 ms, so larger calls stay with oneDNN; on an AVX2-only Zen 1 EPYC, where 16 rows are
 bound by the FMA rate rather than DRAM, 137.5 against 182.3 ms, and still 1.10x at 32 rows; bf16
 in docs/benchmarks.md). Without AVX-512F the kernel runs fp32 calls of any size
-(:func:`skinny_runs_large`: on a Zen 3 EPYC 1.19x oneDNN at 256 rows). The panels are a second copy of the weight:
-the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32 where
+(:func:`skinny_runs_large`: on a Zen 3 EPYC 1.19x oneDNN at 256 rows). The panels are a second
+copy of the weight: the weights of a decoding worker take twice the memory (SmolLM2-135M: ~540 MB more in fp32 where
 the weights are not GGUF codes, see below, ~270 MB in bf16; ``PDSERVE_CPU_SKINNY_GEMM=0`` turns
 the kernel off). Results differ from oneDNN's by
 rounding (fp32 ~1e-6 relative; bf16: a few outputs in 10^4 by one bf16 rounding step).

@@ -51,9 +51,10 @@ class MixedWorkload:
     Lengths in tokens; the long client sends evenly spaced requests (no concurrency cap) from the
     moment the short run starts until it ends (or until it has sent ``long_num_prompts``, when
     > 0, so that a server that falls behind is not sent more long work than a faster one), then
-    waits up to ``long_drain_s`` seconds for those in flight. A server that falls so far behind that the mixed short run takes more than
-    ``mixed_cap_factor`` times as long as the short run alone (and over 120 s) has its mixed run
-    cut off there and reported as failed, instead of holding the suite for as long as it takes.
+    waits up to ``long_drain_s`` seconds for those in flight. A server that falls so far behind
+    that the mixed short run takes more than ``mixed_cap_factor`` times as long as the short run
+    alone (and over 120 s) has its mixed run cut off there and reported as failed, instead of
+    holding the suite for as long as it takes.
     """
 
     short_num_prompts: int = 32
